@@ -1,0 +1,71 @@
+"""The plugin contract: what a dataset plugin returns.
+
+Kept tiny and free of runner internals so a plugin package depends on nothing
+but `mpsrun.DataSplits` (and, optionally, `mpsrun.ImageTransform`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch.utils.data import Dataset
+
+
+@dataclass
+class DataSplits:
+    """A dataset plugin's result.
+
+    train, val: `torch.utils.data.Dataset`s yielding (input, label). When they are
+        `torch.utils.data.TensorDataset`s (raw tensors: uint8 images, int64 labels),
+        the runner may copy them to the device once and batch there (the fast path).
+    num_classes, input_shape: what the model plugin is given; input_shape is the
+        shape of one sample *after* `transform`.
+    transform: optional, applied by the runner to each input batch *on the device*
+        (scaling, normalising, resizing), so raw tensors can stay small.
+    """
+
+    train: Dataset
+    val: Dataset
+    num_classes: int
+    input_shape: tuple[int, ...]
+    transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+
+@dataclass(frozen=True)
+class ImageTransform:
+    """Batch-wise image preprocessing that runs on the device.
+
+    Doing it per batch on the accelerator replaces per-sample PIL/ToTensor work on
+    the CPU, which is what makes hand-written loops slow. Picklable, so the
+    DataLoader path works with the spawn start method too.
+    """
+
+    scale: float = 1.0 / 255.0
+    mean: Optional[tuple[float, ...]] = None
+    std: Optional[tuple[float, ...]] = None
+    resize: Optional[int] = None
+    rgb: bool = False
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        if self.scale != 1.0:
+            x = x * self.scale
+        if self.mean is not None and self.std is not None:
+            m = torch.tensor(self.mean, device=x.device).view(1, -1, 1, 1)
+            s = torch.tensor(self.std, device=x.device).view(1, -1, 1, 1)
+            x = (x - m) / s
+        if self.resize is not None and x.shape[-1] != self.resize:
+            x = torch.nn.functional.interpolate(x, size=(self.resize, self.resize), mode="bilinear", align_corners=False)
+        if self.rgb and x.shape[1] == 1:
+            x = x.expand(-1, 3, -1, -1)
+        return x
+
+    def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        c, h, w = shape
+        if self.resize is not None:
+            h = w = self.resize
+        if self.rgb and c == 1:
+            c = 3
+        return (c, h, w)

@@ -1,0 +1,179 @@
+"""Batching: device-resident fast path, DataLoader path for the rest.
+
+The resident path copies the dataset's raw tensors to the device once and each
+epoch gathers them in a new order in a single kernel, so a batch is a free slice
+and no per-sample Python runs. The shuffle order comes from a seeded CPU
+generator, identical on every device, so devices see the same batches.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+Transform = Optional[Callable[[torch.Tensor], torch.Tensor]]
+
+
+def raw_tensors(ds: Dataset) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(inputs, labels) when a dataset exposes them (TensorDataset), else None."""
+    tensors = getattr(ds, "tensors", None)
+    if isinstance(tensors, (tuple, list)) and len(tensors) == 2 and all(torch.is_tensor(t) for t in tensors):
+        return tensors[0], tensors[1]
+    return None
+
+
+def nbytes(ds: Dataset) -> int | None:
+    t = raw_tensors(ds)
+    return None if t is None else sum(x.numel() * x.element_size() for x in t)
+
+
+class ResidentBatches:
+    """Batches sliced from tensors that live on the device."""
+
+    resident = True
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        batch_size: int,
+        device: torch.device,
+        shuffle: bool,
+        seed: int,
+        transform: Transform,
+    ) -> None:
+        self.x = x.to(device)
+        self.y = y.to(device)
+        self.n = len(self.y)
+        self.batch_size = batch_size
+        self.device = device
+        self.shuffle = shuffle
+        self.transform = transform
+        self._gen = torch.Generator().manual_seed(seed)
+
+    def __len__(self) -> int:
+        return math.ceil(self.n / self.batch_size)
+
+    def epoch_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole epoch's raw inputs and labels, in this epoch's order."""
+        if not self.shuffle:
+            return self.x, self.y
+        perm = torch.randperm(self.n, generator=self._gen).to(self.device, non_blocking=True)
+        return self.x.index_select(0, perm), self.y.index_select(0, perm)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        x, y = self.epoch_tensors()
+        bs = self.batch_size
+        for i in range(0, self.n, bs):
+            xb = x[i : i + bs]
+            yield (self.transform(xb) if self.transform else xb), y[i : i + bs]
+
+
+class LoaderBatches:
+    """A DataLoader whose batches are moved to the device and transformed there."""
+
+    resident = False
+
+    def __init__(
+        self,
+        ds: Dataset,
+        batch_size: int,
+        device: torch.device,
+        shuffle: bool,
+        seed: int,
+        transform: Transform,
+        num_workers: int = 0,
+        persistent_workers: bool = True,
+        pin_memory: bool | str = "auto",
+    ) -> None:
+        pin = device.type == "cuda" if pin_memory == "auto" else bool(pin_memory) and device.type == "cuda"
+        kwargs: dict = {}
+        if num_workers > 0:
+            kwargs["persistent_workers"] = persistent_workers
+            if sys.platform == "darwin":
+                # macOS defaults to spawn; say so explicitly so behaviour does not drift.
+                kwargs["multiprocessing_context"] = "spawn"
+        self.loader = DataLoader(
+            ds,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            generator=torch.Generator().manual_seed(seed),
+            num_workers=num_workers,
+            pin_memory=pin,
+            **kwargs,
+        )
+        self.device = device
+        self.transform = transform
+        self.non_blocking = pin
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for xb, yb in self.loader:
+            xb = xb.to(self.device, non_blocking=self.non_blocking)
+            yb = yb.to(self.device, non_blocking=self.non_blocking)
+            yield (self.transform(xb) if self.transform else xb), yb
+
+
+Batches = ResidentBatches | LoaderBatches
+
+
+@dataclass
+class BatchPlan:
+    train: Batches
+    val: Batches
+    resident: bool
+    reason: str  # why resident or not: recorded on the run
+
+
+def plan_batches(
+    train: Dataset,
+    val: Dataset,
+    *,
+    batch_size: int,
+    device: torch.device,
+    seed: int,
+    transform: Transform,
+    resident: bool | str,
+    max_bytes: int,
+    free_bytes: int | None,
+    num_workers: int = 0,
+    persistent_workers: bool = True,
+    pin_memory: bool | str = "auto",
+) -> BatchPlan:
+    """Choose resident batching when asked for or when the data fits; say why."""
+    sizes = [nbytes(train), nbytes(val)]
+    if resident is False:
+        use, reason = False, "resident: false in the recipe"
+    elif any(s is None for s in sizes):
+        use, reason = False, "dataset exposes no raw tensors (not a TensorDataset)"
+    else:
+        total = sum(s for s in sizes if s is not None)
+        room = max_bytes if free_bytes is None else min(max_bytes, free_bytes // 2)
+        if resident is True or total <= room:
+            use = True
+            reason = f"{total / 2**20:.1f} MiB of raw tensors on the device"
+        else:
+            use, reason = False, f"{total / 2**20:.1f} MiB exceeds the resident limit of {room / 2**20:.1f} MiB"
+    if use:
+        tr, va = raw_tensors(train), raw_tensors(val)
+        assert tr is not None and va is not None
+        return BatchPlan(
+            ResidentBatches(*tr, batch_size, device, True, seed, transform),
+            ResidentBatches(*va, batch_size, device, False, seed, transform),
+            True,
+            reason,
+        )
+    common = dict(num_workers=num_workers, persistent_workers=persistent_workers, pin_memory=pin_memory)
+    return BatchPlan(
+        LoaderBatches(train, batch_size, device, True, seed, transform, **common),
+        LoaderBatches(val, batch_size, device, False, seed, transform, **common),
+        False,
+        reason,
+    )

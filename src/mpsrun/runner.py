@@ -1,0 +1,274 @@
+"""From a validated recipe to a finished MLflow run.
+
+The one place that wires recipe -> plugins -> device -> data -> model -> tracking
+-> engine, in that order, so `cli.py` stays a thin shell and the engine knows
+nothing of MLflow or YAML.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import devices, plugins, tracking
+from .contract import DataSplits
+from .data import BatchPlan, plan_batches
+from .engine import Listener, Listeners, Options, TrainResult, train
+from .recipe import Recipe, Resolved, flatten
+
+
+class InputError(Exception):
+    """Bad input discovered while setting up (device, data files): exit code 2, nothing logged."""
+
+
+class RunFailed(Exception):
+    """Training failed after the MLflow run started; the run is marked FAILED."""
+
+    def __init__(self, message: str, run_id: str | None) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+
+
+@dataclass
+class Setup:
+    """Everything built from a recipe, before any training step."""
+
+    resolved: Resolved
+    choice: devices.DeviceChoice
+    splits: DataSplits
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    plan: BatchPlan
+    options: Options
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RunSummary:
+    run: tracking.RunInfo
+    result: TrainResult
+    setup: Setup
+    mlflow_log_time_s: float
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # seeds every device's generator too
+
+
+def build_data(recipe: Recipe, resolved: Resolved) -> DataSplits:
+    from .builtin.datasets import DatasetUnavailable
+
+    filled = {"seed": recipe.seed, "recipe_dir": str(resolved.path.resolve().parent)}
+    try:
+        splits = plugins.build("dataset", recipe.dataset.name, recipe.dataset.kwargs, filled)
+    except (DatasetUnavailable, plugins.PluginError) as e:
+        raise InputError(str(e)) from None
+    if not isinstance(splits, DataSplits):
+        raise InputError(
+            f"dataset plugin '{recipe.dataset.name}' returned {type(splits).__name__}, not mpsrun.DataSplits"
+        )
+    return splits
+
+
+def build_model(recipe: Recipe, splits: DataSplits) -> nn.Module:
+    filled = {"num_classes": splits.num_classes, "input_shape": tuple(splits.input_shape)}
+    try:
+        model = plugins.build("model", recipe.model.name, recipe.model.kwargs, filled)
+    except plugins.PluginError as e:
+        raise InputError(str(e)) from None
+    if not isinstance(model, nn.Module):
+        raise InputError(f"model plugin '{recipe.model.name}' returned {type(model).__name__}, not torch.nn.Module")
+    return model
+
+
+def resolve_options(recipe: Recipe, device: torch.device, model: nn.Module, plan: BatchPlan) -> Options:
+    """Turn each `auto` into a concrete choice for this device; every skip becomes a note."""
+    notes: list[str] = []
+    precision = "fp32" if recipe.precision == "auto" else recipe.precision
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        notes.append("precision bf16 is not supported by this GPU; using fp32")
+        precision = "fp32"
+    if precision == "bf16" and device.type == "mps" and not _mps_macos_at_least(14):
+        notes.append("precision bf16 on MPS needs macOS 14 or newer; using fp32")
+        precision = "fp32"
+    has_conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
+    if recipe.channels_last == "auto":
+        channels_last = device.type == "cuda" and has_conv
+    else:
+        channels_last = bool(recipe.channels_last)
+    compile_ = recipe.compile is True
+    if recipe.graphs == "auto":
+        graphs = device.type == "cuda" and plan.resident and precision != "fp16" and not compile_
+    else:
+        graphs = bool(recipe.graphs)
+        if graphs and device.type != "cuda":
+            notes.append(f"graphs: CUDA graphs need a CUDA device, not {device.type}; running eager")
+            graphs = False
+        elif graphs and not plan.resident:
+            notes.append("graphs: CUDA graphs need device-resident data; running eager")
+            graphs = False
+        elif graphs and precision == "fp16":
+            notes.append("graphs: fp16's grad scaler syncs with the host every step; running eager")
+            graphs = False
+        elif graphs and compile_:
+            notes.append("graphs: torch.compile is on, which manages its own graphs; skipping CUDA graphs")
+            graphs = False
+    return Options(precision, channels_last, compile_, graphs, recipe.log_every, notes)
+
+
+def _mps_macos_at_least(major: int) -> bool:
+    try:
+        return bool(torch.backends.mps.is_macos_or_newer(major, 0))
+    except Exception:
+        return False
+
+
+def build_optimizer(recipe: Recipe, model: nn.Module, graphs: bool) -> torch.optim.Optimizer:
+    cls = plugins.optimizer_class(recipe.optimizer.name)
+    kwargs, errs = plugins.validate_kwargs(cls, recipe.optimizer.kwargs, ("params",))
+    if errs:
+        raise InputError("; ".join(f"optimizer.{k}: {m}" for k, m in errs))
+    if graphs and "capturable" in inspect.signature(cls).parameters and "capturable" not in kwargs:
+        kwargs["capturable"] = True  # step counters on the device, so the step can be graphed
+    return cls(model.parameters(), **kwargs)
+
+
+def prepare(resolved: Resolved) -> Setup:
+    """Device, data, model, optimizer and options; raises InputError for bad input."""
+    recipe = resolved.recipe
+    try:
+        choice = devices.resolve(recipe.device, recipe.device_fallback)
+    except devices.DeviceUnavailable as e:
+        raise InputError(str(e)) from None
+    notes = [w for w in [choice.warning()] if w]
+    seed_everything(recipe.seed)
+    splits = build_data(recipe, resolved)
+    seed_everything(recipe.seed)  # the model's initial weights depend on the seed alone
+    model = build_model(recipe, splits)
+    device = choice.device
+    plan = plan_batches(
+        splits.train,
+        splits.val,
+        batch_size=recipe.batch_size,
+        device=device,
+        seed=recipe.seed,
+        transform=splits.transform,
+        resident=recipe.resident,
+        max_bytes=int(recipe.resident_max_gb * 2**30),
+        free_bytes=devices.free_memory_bytes(device),
+        num_workers=recipe.loader.num_workers,
+        persistent_workers=recipe.loader.persistent_workers,
+        pin_memory=recipe.loader.pin_memory,
+    )
+    options = resolve_options(recipe, device, model, plan)
+    model = model.to(device)
+    if options.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = build_optimizer(recipe, model, options.graphs)
+    if options.compile:
+        model = _compile(model, options)
+    return Setup(resolved, choice, splits, model, optimizer, plan, options, notes)
+
+
+def _compile(model: nn.Module, options: Options) -> nn.Module:
+    try:
+        return torch.compile(model)  # type: ignore[return-value]
+    except Exception as e:
+        options.notes.append(f"compile: torch.compile failed ({type(e).__name__}: {e}); running eager")
+        options.compile = False
+        return model
+
+
+def run_tags(setup: Setup) -> dict[str, str]:
+    r = setup.resolved
+    tags = devices.choice_tags(setup.choice)
+    tags.update(
+        {
+            "mpsrun.recipe": str(r.path),
+            "mpsrun.overrides": " ".join(r.overrides),
+            "mpsrun.version": _version(),
+            "mpsrun.command": " ".join(sys.argv),
+            "data.path": "resident" if setup.plan.resident else "dataloader",
+            "data.path_reason": setup.plan.reason,
+            "memory.kind": devices.memory_kind(setup.choice.device),
+        }
+    )
+    for i, note in enumerate(setup.notes + setup.options.notes):
+        tags[f"mpsrun.note.{i}"] = note
+    tags.update(r.recipe.tracking.tags)
+    return tags
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = None, parent_run_id: str | None = None) -> RunSummary:
+    """Start the MLflow run, train, and record the outcome, whatever it is."""
+    r = setup.resolved
+    recipe = r.recipe
+    uri, artifact_root = tracking.resolve_uri(tracking_uri)
+    experiment = recipe.tracking.experiment or r.path.stem
+    tracker = tracking.Tracker(uri, experiment, artifact_root)
+    info = tracker.start(recipe.tracking.run_name, run_tags(setup), parent_run_id)
+    tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": _size(setup.plan.train), "data.val_size": _size(setup.plan.val)})
+    tracker.log_text(r.as_yaml(), "recipe.yaml")
+
+    class _Log(Listener):
+        def on_epoch_end(self, m):  # type: ignore[no-untyped-def]
+            tracker.log_metrics(m.metrics(), step=m.epoch)
+
+    listeners = Listeners(listener, _Log())
+    for note in setup.notes + setup.options.notes:
+        listeners.on_note(note)
+    try:
+        result = train(
+            setup.model,
+            setup.optimizer,
+            setup.plan,
+            setup.choice.device,
+            recipe.epochs,
+            setup.options,
+            listeners,
+            setup.splits.transform,
+        )
+        tracker.log_metrics(result.summary())
+        errors = tracker.flush()
+        tracker.log_metrics({"mlflow_log_time_s": tracker.log_time_s})
+        tracker.flush()
+        tracker.set_tags({**setup.options.as_params(), "mpsrun.notes": " | ".join(setup.notes + setup.options.notes) or "none"})
+        if errors:
+            tracker.set_tags({"mpsrun.logging_errors": " | ".join(errors)})
+        tracker.log_state_dict(_unwrap(setup.model).state_dict())
+    except KeyboardInterrupt:
+        tracker.finish("KILLED")
+        raise
+    except Exception as e:
+        tracker.finish("FAILED", e)
+        raise RunFailed(f"{type(e).__name__}: {e}", info.run_id) from e
+    tracker.finish("FINISHED")
+    return RunSummary(info, result, setup, tracker.log_time_s)
+
+
+def _size(b: Any) -> int:
+    return b.n if hasattr(b, "n") else len(b.loader.dataset)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "_orig_mod", model)
+
+
+def run(resolved: Resolved, tracking_uri: str | None = None, listener: Listener | None = None) -> RunSummary:
+    """Prepare and execute one recipe."""
+    return execute(prepare(resolved), tracking_uri, listener)

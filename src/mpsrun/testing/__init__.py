@@ -1,0 +1,1 @@
+"""Test helpers that let mpsrun be exercised end to end without network access."""

@@ -1,0 +1,181 @@
+"""Everything MLflow: store default, experiment, params, metrics, tags, artifacts, status.
+
+Metric logging goes through one background thread so a SQLite write never sits
+inside an epoch's timing; the time that thread spends is itself logged
+(`mlflow_log_time_s`) so the claim "MLflow is off the hot path" is checkable.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+ENV_URI = "MLFLOW_TRACKING_URI"
+
+
+def default_store(cwd: Path | None = None) -> tuple[str, str]:
+    """(tracking URI, artifact root) of the embedded store under `<cwd>/mlruns`."""
+    base = (cwd or Path.cwd()).resolve() / "mlruns"
+    return f"sqlite:///{base / 'mlflow.db'}", (base / "artifacts").as_uri()
+
+
+def resolve_uri(cli_uri: str | None) -> tuple[str, str | None]:
+    """`--tracking-uri` wins, then MLFLOW_TRACKING_URI, then the embedded SQLite store.
+
+    Returns the URI and, for the embedded store only, the artifact root to use.
+    """
+    if cli_uri:
+        return cli_uri, None
+    if os.environ.get(ENV_URI):
+        return os.environ[ENV_URI], None
+    uri, artifacts = default_store()
+    Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    return uri, artifacts
+
+
+def client(uri: str) -> Any:
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def ensure_experiment(c: Any, name: str, artifact_root: str | None) -> str:
+    """The experiment's id, created on first use (with artifacts under the store)."""
+    exp = c.get_experiment_by_name(name)
+    if exp is not None:
+        if exp.lifecycle_stage == "deleted":
+            c.restore_experiment(exp.experiment_id)
+        return exp.experiment_id
+    location = f"{artifact_root}/{name}" if artifact_root else None
+    try:
+        return c.create_experiment(name, artifact_location=location)
+    except Exception:  # created concurrently by another run
+        exp = c.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def _chunks(items: list, n: int) -> list[list]:
+    return [items[i : i + n] for i in range(0, len(items), n)]
+
+
+@dataclass
+class RunInfo:
+    run_id: str
+    experiment_id: str
+    experiment: str
+    uri: str
+
+    def ui_hint(self) -> str:
+        return f"experiment '{self.experiment}', run {self.run_id} in {self.uri}"
+
+
+class Tracker:
+    """One MLflow run. Metrics are queued to a worker thread; everything else is direct."""
+
+    def __init__(self, uri: str, experiment: str, artifact_root: str | None = None) -> None:
+        self.uri = uri
+        self.experiment = experiment
+        self.artifact_root = artifact_root
+        self.c = client(uri)
+        self.experiment_id = ensure_experiment(self.c, experiment, artifact_root)
+        self.run_id: str | None = None
+        self._q: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._errors: list[str] = []
+        self.log_time_s = 0.0  # wall time the worker spent in MLflow calls
+
+    # -- lifecycle
+    def start(self, run_name: str | None, tags: dict[str, str], parent_run_id: str | None = None) -> RunInfo:
+        tags = dict(tags)
+        if parent_run_id:
+            tags["mlflow.parentRunId"] = parent_run_id
+        run = self.c.create_run(self.experiment_id, run_name=run_name, tags=tags)
+        self.run_id = run.info.run_id
+        self._thread = threading.Thread(target=self._work, name="mpsrun-mlflow", daemon=True)
+        self._thread.start()
+        return RunInfo(self.run_id, self.experiment_id, self.experiment, self.uri)
+
+    def _work(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            t = time.perf_counter()
+            try:
+                job()
+            except Exception as e:  # keep training; report at the end
+                self._errors.append(f"{type(e).__name__}: {e}")
+            self.log_time_s += time.perf_counter() - t
+
+    def flush(self) -> list[str]:
+        """Wait for queued logging; returns errors the worker met."""
+        if self._thread is not None and self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join()
+        self._thread = None
+        return self._errors
+
+    def finish(self, status: str, error: BaseException | None = None) -> None:
+        """Record the outcome: FINISHED, FAILED (with the error) or KILLED."""
+        self.flush()
+        if self.run_id is None:
+            return
+        if error is not None:
+            msg = f"{type(error).__name__}: {error}"
+            self.c.set_tag(self.run_id, "mpsrun.error", msg[:4900])
+            tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            self.c.log_text(self.run_id, tb, "error.txt")
+        self.c.set_terminated(self.run_id, status)
+
+    # -- data
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, _param_value(v)) for k, v in sorted(params.items())]
+        for chunk in _chunks(items, 100):
+            self.c.log_batch(self.run_id, params=chunk)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        items = [RunTag(k, str(v)[:4900]) for k, v in sorted(tags.items())]
+        for chunk in _chunks(items, 100):
+            self.c.log_batch(self.run_id, tags=chunk)
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Queued: returns at once; the worker thread writes."""
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        items = [Metric(k, float(v), ts, step or 0) for k, v in metrics.items()]
+        run_id = self.run_id
+        self._q.put(lambda: self.c.log_batch(run_id, metrics=items))
+
+    def log_text(self, text: str, name: str) -> None:
+        self.c.log_text(self.run_id, text, name)
+
+    def log_file(self, path: str | Path, folder: str | None = None) -> None:
+        self.c.log_artifact(self.run_id, str(path), folder)
+
+    def log_state_dict(self, state: dict[str, Any], name: str = "model.pt") -> None:
+        import torch
+
+        with tempfile.TemporaryDirectory() as d:
+            p = Path(d) / name
+            torch.save({k: v.detach().cpu() for k, v in state.items()}, p)
+            self.c.log_artifact(self.run_id, str(p))
+
+
+def _param_value(v: Any) -> str:
+    s = "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+    return s[:6000]
