@@ -34,6 +34,7 @@ def test_digits_recipe_acceptance(work) -> None:
     assert run.data.params["optimizer.name"] == "adam"
     assert run.data.params["model.hidden"] == "[128, 64]"
     assert "steady_epoch_time_s" in run.data.metrics and "first_epoch_time_s" in run.data.metrics
+    assert 0 < run.data.metrics["mlflow_log_time_s"] < run.data.metrics["total_train_time_s"]
     arts = {a.path for a in work.client().list_artifacts(run.info.run_id)}
     assert {"recipe.yaml", "model.pt"} <= arts
     # artifacts live under the embedded store, next to the database

@@ -6,8 +6,8 @@ but `mpsrun.DataSplits` (and, optionally, `mpsrun.ImageTransform`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import torch
 from torch.utils.data import Dataset
@@ -24,6 +24,9 @@ class DataSplits:
         shape of one sample *after* `transform`.
     transform: optional, applied by the runner to each input batch *on the device*
         (scaling, normalising, resizing), so raw tensors can stay small.
+    info: optional facts a model may need beyond num_classes and input_shape (the
+        tabular dataset's column cardinalities, say); the runner passes it to a
+        model plugin that declares a `data_info` parameter. Keep it JSON-friendly.
     """
 
     train: Dataset
@@ -31,6 +34,7 @@ class DataSplits:
     num_classes: int
     input_shape: tuple[int, ...]
     transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Batching: device-resident fast path, DataLoader path for the rest.
 
-The resident path copies the dataset's raw tensors to the device once and each
+Batches are raw (e.g. uint8 images): the engine applies the dataset's transform
+on the device, inside the (possibly graphed) step. The resident path copies the dataset's raw tensors to the device once and each
 epoch gathers them in a new order in a single kernel, so a batch is a free slice
 and no per-sample Python runs. The shuffle order comes from a seeded CPU
 generator, identical on every device, so devices see the same batches.
@@ -45,7 +46,6 @@ class ResidentBatches:
         device: torch.device,
         shuffle: bool,
         seed: int,
-        transform: Transform,
     ) -> None:
         self.x = x.to(device)
         self.y = y.to(device)
@@ -53,7 +53,6 @@ class ResidentBatches:
         self.batch_size = batch_size
         self.device = device
         self.shuffle = shuffle
-        self.transform = transform
         self._gen = torch.Generator().manual_seed(seed)
 
     def __len__(self) -> int:
@@ -70,8 +69,7 @@ class ResidentBatches:
         x, y = self.epoch_tensors()
         bs = self.batch_size
         for i in range(0, self.n, bs):
-            xb = x[i : i + bs]
-            yield (self.transform(xb) if self.transform else xb), y[i : i + bs]
+            yield x[i : i + bs], y[i : i + bs]
 
 
 class LoaderBatches:
@@ -86,7 +84,6 @@ class LoaderBatches:
         device: torch.device,
         shuffle: bool,
         seed: int,
-        transform: Transform,
         num_workers: int = 0,
         persistent_workers: bool = True,
         pin_memory: bool | str = "auto",
@@ -108,7 +105,6 @@ class LoaderBatches:
             **kwargs,
         )
         self.device = device
-        self.transform = transform
         self.non_blocking = pin
 
     def __len__(self) -> int:
@@ -118,7 +114,7 @@ class LoaderBatches:
         for xb, yb in self.loader:
             xb = xb.to(self.device, non_blocking=self.non_blocking)
             yb = yb.to(self.device, non_blocking=self.non_blocking)
-            yield (self.transform(xb) if self.transform else xb), yb
+            yield xb, yb
 
 
 Batches = ResidentBatches | LoaderBatches
@@ -130,6 +126,7 @@ class BatchPlan:
     val: Batches
     resident: bool
     reason: str  # why resident or not: recorded on the run
+    transform: Transform = None  # applied by the engine to each raw input batch, on the device
 
 
 def plan_batches(
@@ -165,15 +162,17 @@ def plan_batches(
         tr, va = raw_tensors(train), raw_tensors(val)
         assert tr is not None and va is not None
         return BatchPlan(
-            ResidentBatches(*tr, batch_size, device, True, seed, transform),
-            ResidentBatches(*va, batch_size, device, False, seed, transform),
+            ResidentBatches(*tr, batch_size, device, True, seed),
+            ResidentBatches(*va, batch_size, device, False, seed),
             True,
             reason,
+            transform,
         )
     common = dict(num_workers=num_workers, persistent_workers=persistent_workers, pin_memory=pin_memory)
     return BatchPlan(
-        LoaderBatches(train, batch_size, device, True, seed, transform, **common),
-        LoaderBatches(val, batch_size, device, False, seed, transform, **common),
+        LoaderBatches(train, batch_size, device, True, seed, **common),
+        LoaderBatches(val, batch_size, device, False, seed, **common),
         False,
         reason,
+        transform,
     )

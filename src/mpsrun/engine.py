@@ -302,23 +302,30 @@ class GraphTrainer(Trainer):
 
 
 def _snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, extra: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+    """Values of everything a warm-up step changes: parameters, buffers, optimizer state, sums."""
     return {
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "state_keys": {id(p) for p in optimizer.state},
+        "state": {
+            id(p): {k: t.clone() for k, t in st.items() if torch.is_tensor(t)} for p, st in optimizer.state.items()
+        },
         "extra": [(t, t.clone()) for t in extra],
     }
 
 
 @torch.no_grad()
 def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, snap: dict[str, Any]) -> None:
-    """Undo warm-up in place (graphs keep pointers to these very tensors)."""
+    """Undo warm-up in place: graphs keep pointers to these very tensors."""
     for k, v in model.state_dict().items():
         v.copy_(snap["params"][k])
     for p, state in optimizer.state.items():
-        if id(p) not in snap["state_keys"]:  # state created by warm-up starts from zero
-            for t in state.values():
-                if torch.is_tensor(t):
-                    t.zero_()
+        saved = snap["state"].get(id(p))
+        for k, t in state.items():
+            if not torch.is_tensor(t):
+                continue
+            if saved is not None and k in saved:
+                t.copy_(saved[k])
+            else:  # created by the warm-up: a fresh optimizer starts from zero
+                t.zero_()
     for t, saved in snap["extra"]:
         t.copy_(saved)
 
@@ -334,11 +341,10 @@ def train(
     epochs: int,
     options: Options,
     listener: Listener,
-    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> TrainResult:
     """Train for `epochs`, validating after each; returns every epoch's measured figures."""
     trainer: Trainer = (GraphTrainer if options.graphs else Trainer)(model, optimizer, device, options)
-    trainer.transform = transform
+    trainer.transform = plan.transform
     listener.on_start(epochs, len(plan.train), len(plan.val))
     n_train = _count(plan.train)
     n_val = _count(plan.val)
@@ -349,6 +355,8 @@ def train(
         trainer.loss_sum.zero_()
         devices.synchronize(device)
         t0 = time.perf_counter()
+        if epoch == 0 and options.compile:
+            _compile_or_eager(trainer, plan, listener)  # compilation counts as warm-up
         if epoch == 0 and isinstance(trainer, GraphTrainer):
             trainer = _capture_or_eager(trainer, plan, listener)  # capture counts as warm-up
         trainer.train_epoch(plan, epoch, listener)
@@ -393,6 +401,41 @@ def _capture_or_eager(trainer: "GraphTrainer", plan: BatchPlan, listener: Listen
         eager = Trainer(trainer.model, trainer.optimizer, trainer.device, trainer.options)
         eager.transform = trainer.transform
         return eager
+
+
+def _first_batch(batches: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(batches, ResidentBatches):
+        return batches.x[: batches.batch_size], batches.y[: batches.batch_size]
+    return next(iter(batches))
+
+
+def _compile_or_eager(trainer: Trainer, plan: BatchPlan, listener: Listener) -> None:
+    """torch.compile fails lazily, at the first call: provoke it now, on one step that is undone.
+
+    On failure the original module (same parameters, same optimizer) runs eager,
+    and the fallback is said on screen and recorded.
+    """
+    base = getattr(trainer.model, "_orig_mod", trainer.model)  # same tensors, stable key names
+    snapshot = _snapshot(base, trainer.optimizer, (trainer.loss_sum, trainer.correct))
+    try:
+        for kind, batches in (("train", plan.train), ("val", plan.val)):
+            x, y = _first_batch(batches)
+            if kind == "train":
+                trainer.model.train()
+                trainer.train_step(x, y)
+            else:
+                trainer.model.eval()
+                with torch.no_grad():
+                    trainer.val_step(x, y)
+    except Exception as e:
+        note = f"compile: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:300]}); running eager"
+        trainer.options.notes.append(note)
+        trainer.options.compile = False
+        trainer.model = base
+        listener.on_note(note)
+    finally:
+        trainer.model.train()
+        _restore(base, trainer.optimizer, snapshot)
 
 
 def _count(batches: Any) -> int:

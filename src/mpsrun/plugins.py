@@ -21,7 +21,7 @@ from .recipe import Problem, RecipeSource, did_you_mean
 GROUPS = {"model": "mpsrun.models", "dataset": "mpsrun.datasets"}
 # Parameters the runner fills in itself; a recipe may not set them.
 FILLED = {
-    "model": ("num_classes", "input_shape"),
+    "model": ("num_classes", "input_shape", "data_info"),
     "dataset": ("seed", "recipe_dir"),
 }
 
@@ -232,7 +232,12 @@ def build(kind: str, name: str, kwargs: dict[str, Any], filled: dict[str, Any]) 
         raise PluginError("; ".join(f"{kind}.{k}: {m}" for k, m in errs))
     declared = {p.name for p in parameters(fn)}
     extra = {k: v for k, v in filled.items() if k in declared}
-    return fn(**checked, **extra)
+    try:
+        return fn(**checked, **extra)
+    except (ValueError, FileNotFoundError) as e:
+        # The contract: a plugin rejects bad arguments or missing data with these two,
+        # and the user sees bad input (exit 2) naming the plugin, not a traceback.
+        raise PluginError(f"{ref.describe()}: {e}") from e
 
 
 def describe_all(kind: str) -> list[dict[str, Any]]:
@@ -245,18 +250,53 @@ def describe_all(kind: str) -> list[dict[str, Any]]:
             "distribution": ref.distribution,
             "version": ref.version,
             "entry_point": ref.value,
+            "qualified": ref.qualified,
         }
         try:
             fn = ref.load()
             info["signature"] = _signature_text(fn, FILLED[kind])
+            info["parameters"] = _parameter_rows(fn, FILLED[kind])
+            info["filled"] = [p.name for p in parameters(fn) if p.name in FILLED[kind]]
             doc = inspect.getdoc(fn) or ""
             info["summary"] = doc.strip().splitlines()[0] if doc.strip() else ""
             info["doc"] = doc
             info["error"] = None
         except PluginError as e:
-            info.update(signature="", summary="", doc="", error=str(e))
+            info.update(signature="", parameters=[], filled=[], summary="", doc="", error=str(e))
         out.append(info)
     return out
+
+
+def matches(info: dict[str, Any], query: str) -> bool:
+    """Does a describe_all row answer to `name` or `distribution:name` (spelled loosely)?"""
+    if ":" in query:
+        dist, _, short = query.partition(":")
+        return info["name"] == short and _norm(info["distribution"]) == _norm(dist)
+    return info["name"] == query
+
+
+def _parameter_rows(fn: Callable[..., Any], filled: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The recipe-settable parameters, structured for tools (editors, `--json` readers)."""
+    import json
+
+    rows = []
+    for p in parameters(fn):
+        if p.name in filled or p.name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        ann = p.annotation
+        row: dict[str, Any] = {
+            "name": p.name,
+            "type": None if ann is inspect.Parameter.empty else (ann if isinstance(ann, str) else inspect.formatannotation(ann)),
+            "required": p.default is inspect.Parameter.empty,
+        }
+        if p.default is not inspect.Parameter.empty:
+            try:
+                json.dumps(p.default)
+                row["default"] = p.default
+            except (TypeError, ValueError):
+                row["default"] = repr(p.default)
+        rows.append(row)
+    return rows
 
 
 def _signature_text(fn: Callable[..., Any], filled: tuple[str, ...]) -> str:

@@ -12,10 +12,11 @@ import difflib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 DEVICE_PATTERN = r"^(auto|cpu|mps|cuda(:\d+)?)$"
 Auto = Literal["auto"]
@@ -56,6 +57,19 @@ class LoaderSection(BaseModel):
     pin_memory: Union[Auto, bool] = "auto"
 
 
+def _matrix_key(key: str) -> str:
+    """A matrix key must be a recipe path a cell can set (see matrix.key_problem)."""
+    from .matrix import key_problem  # local: matrix imports this module
+
+    problem = key_problem(key)
+    if problem:
+        raise PydanticCustomError("matrix_key", problem)
+    return key
+
+
+MatrixKey = Annotated[str, AfterValidator(_matrix_key)]
+
+
 class Recipe(BaseModel):
     """The validated recipe. Field docs become the JSON Schema's descriptions."""
 
@@ -88,6 +102,25 @@ class Recipe(BaseModel):
     log_every: int = Field(
         0, ge=0, description="steps between progress reads of the loss (0: once per epoch)"
     )
+    canary: Literal["on", "warn", "off"] = Field(
+        "on",
+        description="start-up check of known-fragile ops on the device against the CPU: "
+        "on (stop on a mismatch), warn (warn and go on), off",
+    )
+
+    @field_validator("canary", mode="before")
+    @classmethod
+    def _canary_yaml_bool(cls, v: Any) -> Any:
+        # YAML 1.1 reads unquoted `on` / `off` as booleans.
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
+    # Benchmarks (`mpsrun bench`): one child run per combination and repeat.
+    matrix: dict[MatrixKey, Annotated[list[Any], Field(min_length=1)]] = Field(
+        default_factory=dict,
+        description="dotted recipe path -> values to try (device, batch_size, model.arch, ...); "
+        "`include`/`exclude`: lists of {path: value} as in GitHub Actions matrices",
+    )
+    repeats: int = Field(1, ge=1, description="runs of each matrix cell; the table reports medians and spread")
 
     @field_validator("device_fallback", mode="before")
     @classmethod
@@ -284,7 +317,7 @@ def _pydantic_problems(err: ValidationError, src: RecipeSource) -> list[Problem]
     for e in err.errors():
         loc = tuple(x for x in e["loc"] if not (isinstance(x, str) and x.startswith("function-")))
         # pydantic adds the union branch name ('bool', "literal['auto']") to the loc.
-        loc = tuple(x for x in loc if not (isinstance(x, str) and (x in ("bool",) or x.startswith("literal["))))
+        loc = tuple(x for x in loc if not (isinstance(x, str) and (x in ("bool", "[key]") or x.startswith("literal["))))
         path = ".".join(str(x) for x in loc)
         if e["type"] == "extra_forbidden":
             parent_fields = _fields_at(loc[:-1])
@@ -342,6 +375,19 @@ def resolve(path: str | Path, overrides: list[str] | None = None, check_plugins:
     overrides = list(overrides or [])
     src = load_source(path)
     src, problems = apply_overrides(src, overrides)
+    if isinstance(src.data.get("matrix"), dict):
+        from .matrix import normalize  # local: matrix imports this module
+
+        src, more = normalize(src, overrides)
+        problems.extend(more)
+    return validate_source(src, overrides, problems, check_plugins)
+
+
+def validate_source(
+    src: RecipeSource, overrides: list[str], problems: list[Problem] | None = None, check_plugins: bool = True
+) -> Resolved:
+    """Validate recipe data already loaded (and overridden); each matrix cell comes through here."""
+    problems = list(problems or [])
     recipe = None
     try:
         recipe = Recipe.model_validate(src.data)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import devices, plugins, tracking
+from . import canary, devices, plugins, tracking
 from .contract import DataSplits
 from .data import BatchPlan, plan_batches
 from .engine import Listener, Listeners, Options, TrainResult, train
@@ -80,7 +80,7 @@ def build_data(recipe: Recipe, resolved: Resolved) -> DataSplits:
 
 
 def build_model(recipe: Recipe, splits: DataSplits) -> nn.Module:
-    filled = {"num_classes": splits.num_classes, "input_shape": tuple(splits.input_shape)}
+    filled = {"num_classes": splits.num_classes, "input_shape": tuple(splits.input_shape), "data_info": dict(splits.info)}
     try:
         model = plugins.build("model", recipe.model.name, recipe.model.kwargs, filled)
     except plugins.PluginError as e:
@@ -202,6 +202,9 @@ def run_tags(setup: Setup) -> dict[str, str]:
             "memory.kind": devices.memory_kind(setup.choice.device),
         }
     )
+    for kind in ("dataset", "model"):  # which package's code ran, not just its name
+        ref = plugins.find(kind, getattr(r.recipe, kind).name)
+        tags[f"plugin.{kind}"] = f"{ref.distribution} {ref.version} ({ref.value})"
     for i, note in enumerate(setup.notes + setup.options.notes):
         tags[f"mpsrun.note.{i}"] = note
     tags.update(r.recipe.tracking.tags)
@@ -214,16 +217,20 @@ def _version() -> str:
     return __version__
 
 
-def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = None, parent_run_id: str | None = None) -> RunSummary:
+def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = None, parent_run_id: str | None = None, tags: dict[str, str] | None = None) -> RunSummary:
     """Start the MLflow run, train, and record the outcome, whatever it is."""
     r = setup.resolved
     recipe = r.recipe
     uri, artifact_root = tracking.resolve_uri(tracking_uri)
     experiment = recipe.tracking.experiment or r.path.stem
     tracker = tracking.Tracker(uri, experiment, artifact_root)
-    info = tracker.start(recipe.tracking.run_name, run_tags(setup), parent_run_id)
+    info = tracker.start(recipe.tracking.run_name, {**run_tags(setup), **(tags or {})}, parent_run_id)
     tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": _size(setup.plan.train), "data.val_size": _size(setup.plan.val)})
     tracker.log_text(r.as_yaml(), "recipe.yaml")
+    if setup.splits.info:  # e.g. tabular's category vocabularies: needed to use the weights later
+        import json
+
+        tracker.log_text(json.dumps(setup.splits.info, indent=2, default=str), "data_info.json")
 
     class _Log(Listener):
         def on_epoch_end(self, m):  # type: ignore[no-untyped-def]
@@ -233,6 +240,7 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
     for note in setup.notes + setup.options.notes:
         listeners.on_note(note)
     try:
+        canary.guard(setup, tracker.set_tags, listeners.on_note)  # wrong-answer ops stop the run here
         result = train(
             setup.model,
             setup.optimizer,
@@ -241,12 +249,16 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
             recipe.epochs,
             setup.options,
             listeners,
-            setup.splits.transform,
         )
         tracker.log_metrics(result.summary())
         errors = tracker.flush()
-        tracker.log_metrics({"mlflow_log_time_s": tracker.log_time_s})
-        tracker.flush()
+        tracker.log_metrics(
+            {
+                "mlflow_log_time_s": tracker.log_time_s,
+                "mlflow_log_time_during_training_s": tracker.log_time_during_s,
+                "mlflow_handoff_time_s": tracker.handoff_time_s,
+            }
+        )
         tracker.set_tags({**setup.options.as_params(), "mpsrun.notes": " | ".join(setup.notes + setup.options.notes) or "none"})
         if errors:
             tracker.set_tags({"mpsrun.logging_errors": " | ".join(errors)})

@@ -287,6 +287,7 @@ def mps_status() -> BackendStatus:
     details["built"] = _yn(built)
 
     if sys.platform != "darwin":
+        details["available"] = _yn(_safe(_mps_available, False))
         return status(
             False,
             f"this is {_os_name()}, not macOS; MPS needs an Apple-silicon Mac",

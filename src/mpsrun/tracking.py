@@ -8,7 +8,6 @@ inside an epoch's timing; the time that thread spends is itself logged
 from __future__ import annotations
 
 import os
-import queue
 import tempfile
 import threading
 import time
@@ -80,19 +79,26 @@ class RunInfo:
 
 
 class Tracker:
-    """One MLflow run. Metrics are queued to a worker thread; everything else is direct."""
+    """One MLflow run. Params, tags and artifacts are written directly (outside the
+    timed loop); metrics are buffered and written in batches by a worker thread at
+    most every `interval` seconds, so a fast epoch pays nothing for SQLite."""
 
-    def __init__(self, uri: str, experiment: str, artifact_root: str | None = None) -> None:
+    def __init__(self, uri: str, experiment: str, artifact_root: str | None = None, interval: float = 5.0) -> None:
         self.uri = uri
         self.experiment = experiment
         self.artifact_root = artifact_root
+        self.interval = interval
         self.c = client(uri)
         self.experiment_id = ensure_experiment(self.c, experiment, artifact_root)
         self.run_id: str | None = None
-        self._q: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._pending: list[Any] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._errors: list[str] = []
-        self.log_time_s = 0.0  # wall time the worker spent in MLflow calls
+        self.log_time_s = 0.0  # wall time spent writing metrics, on the worker thread
+        self.log_time_during_s = 0.0  # the part of it spent while training was still running
+        self.handoff_time_s = 0.0  # time the training thread spent handing metrics over
 
     # -- lifecycle
     def start(self, run_name: str | None, tags: dict[str, str], parent_run_id: str | None = None) -> RunInfo:
@@ -101,28 +107,39 @@ class Tracker:
             tags["mlflow.parentRunId"] = parent_run_id
         run = self.c.create_run(self.experiment_id, run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
+        self._stop.clear()
         self._thread = threading.Thread(target=self._work, name="mpsrun-mlflow", daemon=True)
         self._thread.start()
         return RunInfo(self.run_id, self.experiment_id, self.experiment, self.uri)
 
     def _work(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            t = time.perf_counter()
-            try:
-                job()
-            except Exception as e:  # keep training; report at the end
-                self._errors.append(f"{type(e).__name__}: {e}")
-            self.log_time_s += time.perf_counter() - t
+        while not self._stop.wait(self.interval):
+            self._write_pending()
+        self._write_pending()
+
+    def _write_pending(self) -> None:
+        with self._lock:
+            items, self._pending = self._pending, []
+        if not items:
+            return
+        t = time.perf_counter()
+        try:
+            for chunk in _chunks(items, 1000):
+                self.c.log_batch(self.run_id, metrics=chunk)
+        except Exception as e:  # keep training; reported at the end
+            self._errors.append(f"{type(e).__name__}: {e}")
+        spent = time.perf_counter() - t
+        self.log_time_s += spent
+        if not self._stop.is_set():
+            self.log_time_during_s += spent
 
     def flush(self) -> list[str]:
-        """Wait for queued logging; returns errors the worker met."""
-        if self._thread is not None and self._thread.is_alive():
-            self._q.put(None)
+        """Write everything buffered and stop the worker; returns errors it met."""
+        if self._thread is not None:
+            self._stop.set()
             self._thread.join()
-        self._thread = None
+            self._thread = None
+        self._write_pending()
         return self._errors
 
     def finish(self, status: str, error: BaseException | None = None) -> None:
@@ -153,13 +170,17 @@ class Tracker:
             self.c.log_batch(self.run_id, tags=chunk)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        """Queued: returns at once; the worker thread writes."""
+        """Buffered: returns at once; written by the worker (or by `flush`)."""
         from mlflow.entities import Metric
 
+        t = time.perf_counter()
         ts = int(time.time() * 1000)
         items = [Metric(k, float(v), ts, step or 0) for k, v in metrics.items()]
-        run_id = self.run_id
-        self._q.put(lambda: self.c.log_batch(run_id, metrics=items))
+        with self._lock:
+            self._pending.extend(items)
+        self.handoff_time_s += time.perf_counter() - t
+        if self._thread is None:
+            self._write_pending()
 
     def log_text(self, text: str, name: str) -> None:
         self.c.log_text(self.run_id, text, name)

@@ -23,9 +23,9 @@ then one big-endian int32 per dimension, then the raw uint8 data.  Images use
 magic 2051 (ndim 3), labels 2049 (ndim 1).
 
 The images are *learnable but not trivial*: every class has a fixed random
-smooth prototype; each sample is its prototype shifted by up to a couple of
-pixels, scaled by a random brightness, plus strong pixel noise and a shared
-background component that makes classes overlap.  A 784-512-512-10 MLP trained
+smooth silhouette (prototype); each sample is its prototype shifted by up to two
+pixels, blended with a random other class's prototype, scaled by a random
+brightness, plus Gaussian pixel noise.  A 784-512-512-10 MLP trained
 with plain SGD (lr 1e-3, batch 64) therefore learns gradually over several
 epochs instead of hitting 100% after one, which keeps benchmark and accuracy
 checks meaningful.
@@ -47,6 +47,12 @@ LABEL_MAGIC = 0x00000801  # uint8, 1 dim
 
 _MAX_SHIFT = 2  # samples are shifted by -2..2 pixels in each direction
 _CHUNK = 8192  # samples generated per vectorised chunk (bounds peak memory)
+# Difficulty knobs, tuned so that the tutorial MLP (SGD lr 1e-3, batch 64) goes
+# about 21% -> 42% -> 58% -> 69% -> 76% -> 80% -> 82% -> 83% validation accuracy
+# over its first eight epochs (60k/10k, seed 0), while Adam plateaus near 89-90%.
+_CONTRAST = 20.0  # sigmoid steepness of the prototypes
+_MAX_MIX = 0.55  # max blend weight of a random other class
+_NOISE = 0.15  # std of the additive Gaussian pixel noise (images in [0, 1])
 
 
 def _upsample_matrix(n_low: int, n_high: int) -> np.ndarray:
@@ -64,23 +70,20 @@ def _upsample_matrix(n_low: int, n_high: int) -> np.ndarray:
 def _prototypes(rng: np.random.Generator, num_classes: int, size: int) -> np.ndarray:
     """Smooth per-class prototypes in [0, 1], shape (num_classes, size, size).
 
-    Each prototype is a random coarse 7x7 grid bilinearly upsampled (smooth blobs,
-    like a blurred garment silhouette), mixed with a component shared by all
-    classes so that the classes overlap and are not separable at a glance, and
-    faded towards the border like MNIST digits.
+    Each prototype is a random coarse 7x7 grid bilinearly upsampled and pushed
+    through a steep sigmoid around its median: a blobby, mostly two-tone
+    silhouette (about half the pixels on), which gives the high-contrast inputs
+    real (Fashion)MNIST has.  A soft circular window darkens the border.
     """
     low = 7
     up = _upsample_matrix(low, size)
-    coarse = rng.random((num_classes + 1, low, low))
-    smooth = up @ coarse @ up.T  # (C+1, size, size)
-    shared, specific = smooth[0], smooth[1:]
-    protos = 0.55 * shared + 0.45 * specific
-    # Soft circular window so the border is mostly dark, as in (Fashion)MNIST.
+    smooth = up @ rng.random((num_classes, low, low)) @ up.T  # (C, size, size)
+    median = np.median(smooth, axis=(1, 2), keepdims=True)
+    protos = 1.0 / (1.0 + np.exp(-_CONTRAST * (smooth - median)))
     yy, xx = np.mgrid[0:size, 0:size]
     c = (size - 1) / 2.0
     r = np.sqrt((yy - c) ** 2 + (xx - c) ** 2) / (size / 2.0)
-    window = np.clip(1.3 - r, 0.0, 1.0)
-    protos = protos * window
+    protos = protos * np.clip(1.3 - r, 0.0, 1.0)
     protos -= protos.min(axis=(1, 2), keepdims=True)
     protos /= protos.max(axis=(1, 2), keepdims=True) + 1e-12
     return protos.astype(np.float32)
@@ -103,24 +106,33 @@ def _shifted_bank(protos: np.ndarray) -> np.ndarray:
 
 
 def _samples(rng: np.random.Generator, bank: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    """Generate uint8 images (N, H, W) for the given labels, chunk by chunk."""
+    """Generate uint8 images (N, H, W) for the given labels, chunk by chunk.
+
+    sample = brightness * ((1 - a) * shifted proto[label] + a * shifted proto[other])
+             + noise,   a ~ U(0, _MAX_MIX)
+    The blend with a random other class makes some samples genuinely ambiguous
+    (a near 0.5) or misleading (a > 0.5), so accuracy saturates around 90% like
+    an MLP on real FashionMNIST, instead of reaching 100%.
+    """
     n = labels.shape[0]
-    nshift = bank.shape[1]
+    ncls, nshift = bank.shape[0], bank.shape[1]
     h, w = bank.shape[-2:]
     out = np.empty((n, h, w), dtype=np.uint8)
     for start in range(0, n, _CHUNK):
         lab = labels[start : start + _CHUNK]
         m = lab.shape[0]
-        dy = rng.integers(0, nshift, m)
-        dx = rng.integers(0, nshift, m)
-        img = bank[lab, dy, dx]  # (m, h, w) float32 copy
-        bright = rng.uniform(0.5, 1.0, (m, 1, 1)).astype(np.float32)
-        img *= bright
-        noise = rng.standard_normal((m, h, w), dtype=np.float32)
-        img += 0.45 * noise
+        img = bank[lab, rng.integers(0, nshift, m), rng.integers(0, nshift, m)]  # (m, h, w) copy
+        if ncls > 1:
+            other = (lab + rng.integers(1, ncls, m)) % ncls
+            a = rng.uniform(0.0, _MAX_MIX, (m, 1, 1)).astype(np.float32)
+            img *= 1.0 - a
+            img += a * bank[other, rng.integers(0, nshift, m), rng.integers(0, nshift, m)]
+        img *= rng.uniform(0.5, 1.0, (m, 1, 1)).astype(np.float32)  # brightness
+        img += _NOISE * rng.standard_normal((m, h, w), dtype=np.float32)
         np.clip(img, 0.0, 1.0, out=img)
         img *= 255.0
-        out[start : start + m] = (img + 0.5).astype(np.uint8)
+        img += 0.5
+        out[start : start + m] = img.astype(np.uint8)
     return out
 
 

@@ -1,0 +1,1 @@
+"""mpsrun-plugin-example: mpsrun plugins. Registered in pyproject.toml; nothing to import by hand."""

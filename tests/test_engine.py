@@ -1,0 +1,149 @@
+"""The engine's speed promises, checked on what it actually does.
+
+- no host synchronisation inside the step loop: `.item()` (aten._local_scalar_dense)
+  is counted by a dispatch mode during real training;
+- CUDA graphs replay exactly the eager computation (run where CUDA exists; the
+  lead runs these on the GPU machine, CI skips them visibly);
+- resident batching visits every sample once per epoch, in a seeded order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mpsrun import engine, runner
+from mpsrun.data import ResidentBatches
+from mpsrun.recipe import resolve
+
+from .conftest import RECIPES
+
+
+class CountItems(TorchDispatchMode):
+    """Counts device->host scalar reads, the syncs that stall a GPU pipeline."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _setup(*overrides: str) -> runner.Setup:
+    return runner.prepare(resolve(RECIPES / "digits_mlp.yaml", ["device=cpu", *overrides]))
+
+
+def _train(setup: runner.Setup, listener: engine.Listener | None = None) -> engine.TrainResult:
+    r = setup.resolved.recipe
+    return engine.train(
+        setup.model, setup.optimizer, setup.plan, setup.choice.device, r.epochs, setup.options,
+        listener or engine.Listener(),
+    )
+
+
+def test_no_host_sync_inside_the_step_loop() -> None:
+    # SGD: Adam reads its CPU-side step counter with .item() by design (no device sync),
+    # which would blur what this test measures: the engine's own reads.
+    setup = _setup("epochs=3", "batch_size=16", "optimizer.name=sgd")
+    steps = len(setup.plan.train)
+    assert steps > 50
+    with CountItems() as counter:
+        _train(setup)
+    # per epoch: train loss, val loss, val correct count; nothing per step
+    assert counter.n == 3 * 3
+
+
+def test_log_every_reads_loss_at_that_interval_only() -> None:
+    setup = _setup("epochs=1", "batch_size=16", "log_every=20", "optimizer.name=sgd")
+    steps = len(setup.plan.train)
+    seen: list[float] = []
+
+    class Grab(engine.Listener):
+        def on_step(self, epoch, step, samples, loss):  # type: ignore[no-untyped-def]
+            if loss is not None:
+                seen.append(loss)
+
+    with CountItems() as counter:
+        _train(setup, Grab())
+    assert len(seen) == steps // 20
+    assert counter.n == 3 + steps // 20
+
+
+def test_resident_batches_cover_every_sample_once_in_seeded_order() -> None:
+    x = torch.arange(100).view(100, 1)
+    y = torch.arange(100)
+    a = ResidentBatches(x, y, 32, torch.device("cpu"), True, 7)
+    b = ResidentBatches(x, y, 32, torch.device("cpu"), True, 7)
+    ea = torch.cat([yb for _, yb in a])
+    assert sorted(ea.tolist()) == list(range(100))
+    assert ea.tolist() == torch.cat([yb for _, yb in b]).tolist(), "same seed, same order"
+    assert ea.tolist() != torch.cat([yb for _, yb in a]).tolist(), "a new order each epoch"
+    assert [len(yb) for _, yb in a] == [32, 32, 32, 4]
+
+
+@pytest.mark.parametrize("resident", ["true", "false"])
+def test_model_sees_each_input_transformed_exactly_once(resident: str) -> None:
+    """digits pixels are 0..16 and the transform divides by 16: the model must see max 1.0."""
+    setup = _setup("epochs=1", f"resident={resident}")
+    maxes: list[float] = []
+    setup.model.register_forward_pre_hook(lambda m, a: maxes.append(float(a[0].max())))
+    _train(setup)
+    assert max(maxes) == 1.0
+
+
+def test_graph_groups_cover_every_step() -> None:
+    g = engine.GraphTrainer.__new__(engine.GraphTrainer)
+    groups = g._groups(60000, 64)
+    assert sum(k * b for k, b in groups) == 60000
+    assert groups[0] == (engine.GRAPH_STEPS, 64) and groups[-1] == (1, 60000 % 64)
+    assert engine.GraphTrainer._groups(g, 128, 64) == [(1, 64), (1, 64)]
+
+
+def test_graphs_requested_on_cpu_is_said_not_silent() -> None:
+    setup = _setup("graphs=true", "epochs=1")
+    assert setup.options.graphs is False
+    assert any("CUDA graphs need a CUDA device" in n for n in setup.options.notes)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)")
+
+
+@cuda
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_cuda_graphs_match_eager_exactly(optimizer: str) -> None:
+    """Same seed, same batches: graph replay must learn what eager steps learn."""
+    over = ["device=cuda", "epochs=3", "batch_size=50", f"optimizer.name={optimizer}"]
+    eager = _train(_setup(*over, "graphs=false"))
+    graphed_setup = _setup(*over, "graphs=true")
+    assert graphed_setup.options.graphs
+    graphed = _train(graphed_setup)
+    assert graphed_setup.options.graphs, graphed_setup.options.notes  # no fallback happened
+    for e, g in zip(eager.epochs, graphed.epochs):
+        assert g.train_loss == pytest.approx(e.train_loss, rel=1e-4, abs=1e-5)
+        assert g.val_accuracy == pytest.approx(e.val_accuracy, abs=2e-3)
+
+
+@cuda
+def test_cuda_graphs_are_the_default_for_resident_data() -> None:
+    setup = _setup("device=cuda", "epochs=1")
+    assert setup.plan.resident and setup.options.graphs
+
+
+def test_compile_failure_falls_back_to_eager_and_says_so(work, monkeypatch) -> None:
+    """A real compiler failure: inductor pointed at a C++ compiler that is not there
+    (as on a Mac without the command-line tools)."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/c++"))
+    r = work.cli("run", RECIPES / "digits_mlp.yaml", "compile=true", "epochs=2", "-q")
+    assert r.exit_code == 0, r.output
+    assert "compile: torch.compile failed" in r.stdout and "running eager" in r.stdout
+    run = work.runs("digits_mlp")[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["resolved.compile"] == "false"
+    assert "torch.compile failed" in run.data.tags["mpsrun.notes"]
+    assert run.data.metrics["val_accuracy"] > 0.5
