@@ -18,12 +18,13 @@ OUT=${OUT:-zoo-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 REPO=$(pwd); RECIPE=$REPO/recipes/vision_zoo_bench.yaml
 WORK=$(mktemp -d); cd "$WORK" || exit 1    # the MLflow store goes to $WORK/mlruns
 export PYTHONUNBUFFERED=1 MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR=false
+mpsrun() { python3 -m mpsrun "$@"; }   # the installed package, whether or not its script is on PATH
 DATA=$WORK/data
 if [ "${QUICK:-0}" = 1 ]; then
   N_TRAIN=512; SMALL=(dataset.resize=32 dataset.subset=64 dataset.val_subset=16 'matrix.batch_size=[16]')
   ARCHS='[resnet18,mobilenet_v2]'; CPU_SUBSET=32; R18=(dataset.resize=32 dataset.subset=64 dataset.val_subset=16 epochs=2)
 else
-  N_TRAIN=12000; SMALL=(); ARCHS='[alexnet,resnet18,mobilenet_v2,efficientnet_b0,vgg16]'; CPU_SUBSET=128
+  N_TRAIN=10000; SMALL=(); ARCHS='[alexnet,resnet18,mobilenet_v2,efficientnet_b0,vgg16]'; CPU_SUBSET=128
   R18=(dataset.subset=10000 dataset.val_subset=1000 epochs=5)
 fi
 DEVICES="[cpu,$DEVICE]"; [ "$DEVICE" = cpu ] && DEVICES="[cpu]"
@@ -31,10 +32,10 @@ DEVICES="[cpu,$DEVICE]"; [ "$DEVICE" = cpu ] && DEVICES="[cpu]"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1; nproc; python3 -c 'import torch, torchvision; print("torch", torch.__version__, "torchvision", torchvision.__version__)'; } | tee "$OUT/machine.txt"
 mpsrun doctor > "$OUT/doctor.txt" 2>&1; mpsrun doctor --device "$DEVICE" > /dev/null 2>&1
 echo "doctor --device $DEVICE exit code: $?" | tee -a "$OUT/doctor.txt"
-python3 -m mpsrun.testing.idx "$DATA" --name MNIST --n-train $N_TRAIN --n-test 2000 > /dev/null || exit 1
+python3 -m mpsrun.testing.idx "$DATA" --name MNIST --n-train $N_TRAIN --n-test 1000 > /dev/null || exit 1
 
 echo "== 1. ResNet18, batch 64, channels_last, fp32 vs bf16 on $DEVICE (target: bf16 >= 7,500 images/s)" | tee "$OUT/resnet18.log"
-timeout -s INT 110 mpsrun bench "$RECIPE" 'matrix={precision: [fp32, bf16]}' device=$DEVICE batch_size=64 \
+timeout -s INT 110 python3 -m mpsrun bench "$RECIPE" 'matrix={precision: [fp32, bf16]}' device=$DEVICE batch_size=64 \
   model.arch=resnet18 channels_last=true tracking.experiment=resnet18_throughput dataset.root="$DATA" "${R18[@]}" --out "$OUT/resnet18" 2>&1 | tee -a "$OUT/resnet18.log"
 python3 - "$OUT/resnet18/results.csv" <<'EOF' 2>&1 | tee -a "$OUT/resnet18.log"
 import csv, sys
@@ -49,8 +50,8 @@ print(f"ACCEPTANCE resnet18 bf16+channels_last batch 64: {v:,.0f} images/s, targ
 EOF
 
 echo "== 2. Model zoo, devices $DEVICES, batch 4 and 64 (CPU cells: subset $CPU_SUBSET)" | tee "$OUT/zoo.log"
-timeout -s INT 320 mpsrun bench "$RECIPE" "matrix.device=$DEVICES" "matrix.model.arch=$ARCHS" dataset.root="$DATA" \
-  "matrix.include=[{device: cpu, dataset.subset: $CPU_SUBSET, dataset.val_subset: 32}]" "${SMALL[@]}" \
+timeout -s INT 320 python3 -m mpsrun bench "$RECIPE" "matrix.device=$DEVICES" "matrix.model.arch=$ARCHS" dataset.root="$DATA" \
+  "matrix.include=[{device: cpu, dataset.subset: $CPU_SUBSET, dataset.val_subset: 32}]" ${SMALL[@]+"${SMALL[@]}"} \
   --out "$OUT/zoo" 2>&1 | tee -a "$OUT/zoo.log"
 echo "== 3. The same table rebuilt from MLflow alone (mpsrun compare)" | tee "$OUT/compare.log"
 mpsrun compare vision_zoo_bench --out "$OUT/zoo" 2>&1 | tee -a "$OUT/compare.log"

@@ -160,3 +160,12 @@ def test_compare_is_normwise_and_nan_aware() -> None:
     assert canary.compare(torch.tensor([10.1, 1e-9]), ref, 1e-5, 1e-4).exceeded
     assert not canary.compare(torch.tensor([float("nan")]), torch.tensor([float("nan")]), 0, 0).exceeded
     assert canary.compare(torch.tensor([float("nan")]), torch.tensor([1.0]), 0, 0).exceeded
+
+
+def test_strict_math_turns_tf32_and_autotuning_off_then_restores(monkeypatch) -> None:
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    monkeypatch.setattr(cudnn, "benchmark", True)
+    monkeypatch.setattr(cudnn, "allow_tf32", True)
+    with canary.strict_math():
+        assert not cudnn.benchmark and not cudnn.allow_tf32 and not matmul.allow_tf32
+    assert cudnn.benchmark and cudnn.allow_tf32

@@ -116,7 +116,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_cuda_graphs_match_eager_exactly(optimizer: str) -> None:
     """Same seed, same batches: graph replay must learn what eager steps learn."""
-    over = ["device=cuda", "epochs=3", "batch_size=50", f"optimizer.name={optimizer}"]
+    # capturable in both runs: the comparison is of graph replay, not of two Adam variants
+    capt = ["optimizer.capturable=true"] if optimizer == "adam" else []
+    over = ["device=cuda", "epochs=3", "batch_size=50", f"optimizer.name={optimizer}", *capt]
     eager = _train(_setup(*over, "graphs=false"))
     graphed_setup = _setup(*over, "graphs=true")
     assert graphed_setup.options.graphs
@@ -147,3 +149,31 @@ def test_compile_failure_falls_back_to_eager_and_says_so(work, monkeypatch) -> N
     assert run.data.tags["resolved.compile"] == "false"
     assert "torch.compile failed" in run.data.tags["mpsrun.notes"]
     assert run.data.metrics["val_accuracy"] > 0.5
+
+
+def test_image_transform_matches_its_definition() -> None:
+    from mpsrun import ImageTransform
+
+    x = torch.randint(0, 256, (4, 1, 6, 6), dtype=torch.uint8)
+    t = ImageTransform(mean=(0.3,), std=(0.2,), resize=8, rgb=True)
+    ref = ((x.float() / 255 - 0.3) / 0.2)
+    ref = torch.nn.functional.interpolate(ref, size=(8, 8), mode="bilinear", align_corners=False).expand(-1, 3, -1, -1)
+    out = t(x)
+    assert out.shape == (4, 3, 8, 8) and t.output_shape((1, 6, 6)) == (3, 8, 8)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(ImageTransform()(x), x.float() / 255)
+
+
+@cuda
+def test_image_transform_is_graph_capturable() -> None:
+    """Normalising must not copy from the host inside a captured step."""
+    from mpsrun import ImageTransform
+
+    t = ImageTransform(mean=(0.3,), std=(0.2,), resize=32, rgb=True)
+    x = torch.randint(0, 256, (8, 1, 28, 28), dtype=torch.uint8, device="cuda")
+    expected = t(x)  # first call: coefficients cached, outside capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = t(x)
+    g.replay()
+    torch.testing.assert_close(out, expected)

@@ -50,10 +50,14 @@ def test_same_recipe_same_device_same_metrics(work) -> None:
 
 
 def test_dataloader_path_trains_and_is_recorded(work) -> None:
-    r = work.cli("run", RECIPES / "digits_mlp.yaml", "epochs=2", "resident=false", "loader.num_workers=1", "-q")
+    r = work.cli(
+        "run", RECIPES / "digits_mlp.yaml", "epochs=2", "resident=false", "loader.num_workers=1", "tracking.log_model=false", "-q"
+    )
     assert r.exit_code == 0, r.output
     run = work.runs("digits_mlp")[0]
     assert run.data.tags["data.path"] == "dataloader"
+    assert "model.pt" not in {a.path for a in work.client().list_artifacts(run.info.run_id)}
+    assert run.data.tags["mpsrun.model_artifact"].startswith("skipped")
     assert run.data.metrics["val_accuracy"] > 0.2
 
 

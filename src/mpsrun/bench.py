@@ -210,6 +210,10 @@ def _run_cell(
         except runner.RunFailed as e:  # the child run is already FAILED with its error and traceback
             listener.on_cell_end(n, p.total, cell, repeat, False, str(e))
             return
+        except Exception as e:  # failed before its MLflow run existed: record one, go on
+            _record_failed(p, cell, tags, parent, uri, artifact_root, e)
+            listener.on_cell_end(n, p.total, cell, repeat, False, _message(e))
+            return
         s = summary.result.summary()
         listener.on_cell_end(
             n, p.total, cell, repeat, True,

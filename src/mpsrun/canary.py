@@ -16,6 +16,9 @@ Outcome (recorded on the run as tags `canary.*`):
 - `warned`: an operation differs and `canary: warn`: the run goes on, warned;
 - `skipped (cpu)`: the run's device is the CPU, the reference itself;
 - `off`: `canary: off` in the recipe.
+`canary.time_s` is the checks' own time, device synchronised, after one tiny
+matmul that initialises the device's math library (a one-off cost that training
+would pay at its first step anyway); over one second adds `canary.slow`.
 An operation that raises on the device is reported as unsupported (a warning and
 the tag `canary.unsupported`), not as a wrong answer: a raised error is not
 silent, and failing every run because of an operation the recipe may never use
@@ -23,7 +26,7 @@ would teach users to turn the guard off.
 
 Comparison. Integer and boolean results must be equal. Floating-point results
 are compared normwise: max|device - cpu| <= atol + rtol * max|cpu|, per output
-tensor; with TF32 switched off during the check (`strict_fp32`) a correct device
+tensor; with TF32 switched off during the check (`strict_math`) a correct device
 differs from the CPU by a few fp32 rounding errors (~1e-6 relative), while the
 bugs above are off by O(1). The tolerances therefore sit well clear of both.
 
@@ -51,7 +54,7 @@ from . import devices
 PERTURB: dict[str, Callable[[Any], Any]] = {}
 CPU_SELF_CHECK = False
 
-PROBE_SIZE = 64  # samples in the model-forward probe batch
+PROBE_SIZE = 8  # samples in the model-forward probe batch: enough to exercise the forward, cheap for big CPU models
 BUDGET_S = 1.0  # the check is meant to take less than this; slower is recorded
 
 
@@ -94,7 +97,8 @@ def compare(value: torch.Tensor | float, ref: torch.Tensor | float, atol: float,
     measured against the tensor's own scale is what matters downstream. Positions
     where both sides are the same non-finite value (inf, or NaN on both) agree.
     """
-    a, b = (x.detach().to("cpu", torch.float64) if torch.is_tensor(x) else torch.tensor(x, dtype=torch.float64) for x in (value, ref))
+    # to the CPU first, then float64: MPS has no float64
+    a, b = (x.detach().cpu().to(torch.float64) if torch.is_tensor(x) else torch.tensor(x, dtype=torch.float64) for x in (value, ref))
     if a.shape != b.shape:
         inf = float("inf")
         return Diff(inf, inf, inf, 0.0, f"shape {tuple(a.shape)} vs {tuple(b.shape)}")
@@ -120,22 +124,22 @@ def compare(value: torch.Tensor | float, ref: torch.Tensor | float, atol: float,
 
 
 @contextlib.contextmanager
-def strict_fp32() -> Iterator[None]:
-    """IEEE fp32 matmuls and convolutions on CUDA for the duration (TF32 off), then restore.
+def strict_math() -> Iterator[None]:
+    """IEEE fp32 on CUDA (TF32 off) and no cuDNN autotuning for the duration, then restore.
 
     PyTorch keeps TF32 off for CUDA matmuls by default but *on* for cuDNN
     convolutions; TF32 keeps 10 mantissa bits (~1e-3 relative error per product),
     which is a deliberate speed trade, not a bug, and would otherwise dominate
-    any fp32 comparison with the CPU.
+    any fp32 comparison with the CPU. cuDNN's benchmark mode would time every
+    convolution algorithm for the probe's new shape: slow, and a moving target.
     """
-    matmul = torch.backends.cuda.matmul
-    saved = (matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    saved = (matmul.allow_tf32, cudnn.allow_tf32, cudnn.benchmark)
+    matmul.allow_tf32 = cudnn.allow_tf32 = cudnn.benchmark = False
     try:
         yield
     finally:
-        matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        matmul.allow_tf32, cudnn.allow_tf32, cudnn.benchmark = saved
 
 
 # ----------------------------------------------------------------------------- checks
@@ -397,7 +401,12 @@ def run(
         return Report("skipped (cpu)", mode, str(device))
     checks = list(CHECKS.values()) if checks is None else list(checks)
     results = []
-    with strict_fp32():
+    with strict_math():
+        # One tiny matmul first: it initialises the device's math library (cuBLAS
+        # handles, MPS graph caches), a one-off cost training pays anyway; the
+        # timed part is the checks themselves.
+        _warm = _to(torch.ones(4, 4), device)
+        (_warm @ _warm).sum().cpu()
         devices.synchronize(device)
         t0 = time.perf_counter()
         for c in checks:

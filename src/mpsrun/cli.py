@@ -261,17 +261,20 @@ def parity(
         err.print(f"[red]failed:[/] {e} (MLflow run {e.run_id} marked FAILED)", highlight=False)
         raise typer.Exit(EXIT_FAIL) from None
     tol = result.tolerance
-    table = Table(
-        title=f"{result.devices[0]} vs {result.devices[1]}, {result.precision}, {result.steps} steps",
-        caption=f"out of tolerance: abs diff > {tol.atol:g} and rel diff > max({tol.rtol:g}, {tol.noise_factor:g} x noise); "
-        f"noise: {result.yardstick} replica vs {result.devices[0]}",
-    )
+    table = Table(title=f"{result.devices[0]} vs {result.devices[1]}, {result.precision}, {result.steps} steps")
     for col in ("quantity", "max abs diff", "max rel diff", "max noise", "worst / tolerance", "first step over"):
         table.add_column(col)
     for q, s in result.summary().items():
         first = "-" if s.first_step is None else str(s.first_step)
         table.add_row(q, f"{s.max_abs:.3g}", f"{s.max_rel:.3g}", f"{s.max_noise:.3g}", f"{s.max_ratio:.3g}", first)
     console.print(table)
+    noise = f"a {result.yardstick} replica against {result.devices[0]}" if result.tolerance.noise_factor else "off"
+    console.print(
+        f"out of tolerance: abs diff > {tol.atol:g} and rel diff > max({tol.rtol:g}, {tol.noise_factor:g} x noise); "
+        f"rel diff = ||B-A||/||A|| (params: against A's update); noise: {noise}",
+        highlight=False,
+        soft_wrap=True,
+    )
     for note in result.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
     if result.verdict == "agree":

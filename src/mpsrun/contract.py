@@ -52,14 +52,23 @@ class ImageTransform:
     resize: Optional[int] = None
     rgb: bool = False
 
+    # Per-device affine coefficients, built on the first call (outside any CUDA graph
+    # capture, which forbids host-to-device copies) and reused after.
+    _affine: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def _coefficients(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = str(device)
+        if key not in self._affine:
+            mean = torch.tensor(self.mean if self.mean is not None else (0.0,))
+            std = torch.tensor(self.std if self.std is not None else (1.0,))
+            a = (self.scale / std).view(1, -1, 1, 1)  # x * scale, then (x - mean) / std, as one affine
+            b = (-mean / std).view(1, -1, 1, 1)
+            self._affine[key] = (a.to(device), b.to(device))
+        return self._affine[key]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        if self.scale != 1.0:
-            x = x * self.scale
-        if self.mean is not None and self.std is not None:
-            m = torch.tensor(self.mean, device=x.device).view(1, -1, 1, 1)
-            s = torch.tensor(self.std, device=x.device).view(1, -1, 1, 1)
-            x = (x - m) / s
+        a, b = self._coefficients(x.device)
+        x = torch.addcmul(b, x.float(), a)
         if self.resize is not None and x.shape[-1] != self.resize:
             x = torch.nn.functional.interpolate(x, size=(self.resize, self.resize), mode="bilinear", align_corners=False)
         if self.rgb and x.shape[1] == 1:

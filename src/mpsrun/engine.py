@@ -35,6 +35,7 @@ class Options:
     compile: bool = False
     graphs: bool = False
     log_every: int = 0
+    cudnn_benchmark: bool = False
     notes: list[str] = field(default_factory=list)  # fallbacks and skipped optimisations
 
     def as_params(self) -> dict[str, str]:
@@ -43,6 +44,7 @@ class Options:
             "resolved.channels_last": str(self.channels_last).lower(),
             "resolved.compile": str(self.compile).lower(),
             "resolved.graphs": str(self.graphs).lower(),
+            "resolved.cudnn_benchmark": str(self.cudnn_benchmark).lower(),
         }
 
 

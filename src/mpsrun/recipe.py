@@ -38,6 +38,7 @@ class TrackingSection(BaseModel):
     experiment: str | None = None
     run_name: str | None = None
     tags: dict[str, str] = Field(default_factory=dict)
+    log_model: bool = Field(True, description="save the final weights as the run's model.pt artifact")
 
     @field_validator("tags", mode="before")
     @classmethod
@@ -93,6 +94,9 @@ class Recipe(BaseModel):
     channels_last: Union[Auto, bool] = "auto"
     compile: Union[Auto, bool] = "auto"
     graphs: Union[Auto, bool] = Field("auto", description="CUDA graphs around the whole step")
+    cudnn_benchmark: Union[Auto, bool] = Field(
+        "auto", description="let cuDNN time its convolution algorithms (auto: on for conv models on CUDA)"
+    )
     resident: Union[Auto, bool] = Field(
         "auto", description="keep the dataset on the device when it fits"
     )

@@ -122,7 +122,19 @@ def resolve_options(recipe: Recipe, device: torch.device, model: nn.Module, plan
         elif graphs and compile_:
             notes.append("graphs: torch.compile is on, which manages its own graphs; skipping CUDA graphs")
             graphs = False
-    return Options(precision, channels_last, compile_, graphs, recipe.log_every, notes)
+    if recipe.cudnn_benchmark == "auto":
+        cudnn_benchmark = device.type == "cuda" and has_conv
+    else:
+        cudnn_benchmark = bool(recipe.cudnn_benchmark) and device.type == "cuda"
+    return Options(
+        precision=precision,
+        channels_last=channels_last,
+        compile=compile_,
+        graphs=graphs,
+        log_every=recipe.log_every,
+        notes=notes,
+        cudnn_benchmark=cudnn_benchmark,
+    )
 
 
 def _mps_macos_at_least(major: int) -> bool:
@@ -170,6 +182,8 @@ def prepare(resolved: Resolved) -> Setup:
         pin_memory=recipe.loader.pin_memory,
     )
     options = resolve_options(recipe, device, model, plan)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = options.cudnn_benchmark  # fixed shapes: time algorithms once
     model = model.to(device)
     if options.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -262,7 +276,10 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
         tracker.set_tags({**setup.options.as_params(), "mpsrun.notes": " | ".join(setup.notes + setup.options.notes) or "none"})
         if errors:
             tracker.set_tags({"mpsrun.logging_errors": " | ".join(errors)})
-        tracker.log_state_dict(_unwrap(setup.model).state_dict())
+        if recipe.tracking.log_model:
+            tracker.log_state_dict(_unwrap(setup.model).state_dict())
+        else:
+            tracker.set_tags({"mpsrun.model_artifact": "skipped (tracking.log_model: false)"})
     except KeyboardInterrupt:
         tracker.finish("KILLED")
         raise
