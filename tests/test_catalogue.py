@@ -21,7 +21,6 @@ import pytest
 import torch
 import yaml
 
-from mpsrun import plugins
 from mpsrun.recipe import yaml_load
 
 from .conftest import RECIPES, ROOT, _clear_plugin_cache, run_subprocess
@@ -125,7 +124,7 @@ def test_clash_in_show_and_run_then_distribution_prefix_trains(work, fake_dist) 
     assert "from lab-a 0.1" in r.stdout and "from lab-b 2.0" in r.stdout and "lab-a:tiny or lab-b:tiny" in r.stdout
     r = work.cli("plugins", "show", "lab_b:tiny")  # spelled as pip would accept it
     assert r.exit_code == 0 and "lab-b 2.0" in r.stdout and "lab-a" not in r.stdout
-    recipe = work.write("clash.yaml", f"dataset: {{name: digits}}\nmodel: {{name: tiny}}\noptimizer: {{name: adam}}\ndevice: cpu\n")
+    recipe = work.write("clash.yaml", "dataset: {name: digits}\nmodel: {name: tiny}\noptimizer: {name: adam}\ndevice: cpu\n")
     r = work.cli("run", recipe, "-q")
     assert r.exit_code == 2
     assert "lab-a" in r.stderr and "lab-b" in r.stderr and "'lab-b:tiny'" in r.stderr

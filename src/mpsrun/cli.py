@@ -6,10 +6,11 @@ data), 1 failure while running, 130 interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 import typer
 from rich.console import Console
@@ -36,14 +37,23 @@ def _bad_input(message: str) -> typer.Exit:
     return typer.Exit(EXIT_INPUT)
 
 
-def _resolve(recipe: Path, overrides: list[str] | None):  # type: ignore[no-untyped-def]
-    from .recipe import RecipeError, resolve
+@contextlib.contextmanager
+def _recipe_errors() -> Iterator[None]:
+    """Every recipe problem listed at once on stderr, exit code 2, no traceback."""
+    from .recipe import RecipeError
 
     try:
-        return resolve(recipe, overrides or [])
+        yield
     except RecipeError as e:
         err.print(e.render(), highlight=False, soft_wrap=True, markup=False)
         raise typer.Exit(EXIT_INPUT) from None
+
+
+def _resolve(recipe: Path, overrides: list[str] | None):  # type: ignore[no-untyped-def]
+    from .recipe import resolve
+
+    with _recipe_errors():
+        return resolve(recipe, overrides or [])
 
 
 @app.command()
@@ -321,26 +331,18 @@ def new_plugin(
 def _cells(resolved):  # type: ignore[no-untyped-def]
     """Every matrix cell, validated; exit 2 listing each bad value at its matrix entry."""
     from .matrix import expand
-    from .recipe import RecipeError
 
     if not resolved.recipe.matrix:
         return []
-    try:
+    with _recipe_errors():
         return expand(resolved)
-    except RecipeError as e:
-        err.print(e.render(), highlight=False, soft_wrap=True, markup=False)
-        raise typer.Exit(EXIT_INPUT) from None
 
 
 def _one_cell(resolved):  # type: ignore[no-untyped-def]
     from .matrix import single
-    from .recipe import RecipeError
 
-    try:
+    with _recipe_errors():
         return single(resolved)
-    except RecipeError as e:
-        err.print(e.render(), highlight=False, soft_wrap=True, markup=False)
-        raise typer.Exit(EXIT_INPUT) from None
 
 
 @app.command()
@@ -368,14 +370,11 @@ def bench(
     from . import compare as comparemod
     from .engine import Listener
     from .progress import QuietProgress
-    from .recipe import RecipeError
     from rich.markup import escape
 
     try:
-        plan = benchmod.plan(resolved, baseline)
-    except RecipeError as e:
-        err.print(e.render(), highlight=False, soft_wrap=True, markup=False)
-        raise typer.Exit(EXIT_INPUT) from None
+        with _recipe_errors():
+            plan = benchmod.plan(resolved, baseline)
     except benchmod.BenchInputError as e:
         raise _bad_input(str(e)) from None
 

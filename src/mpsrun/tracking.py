@@ -14,7 +14,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ENV_URI = "MLFLOW_TRACKING_URI"
 
