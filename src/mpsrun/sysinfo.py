@@ -291,7 +291,7 @@ def mps_status() -> BackendStatus:
         return status(
             False,
             f"this is {_os_name()}, not macOS; MPS needs an Apple-silicon Mac",
-            "use --device cuda on an NVIDIA machine or --device cpu here",
+            "run with device=cpu here (or device=cuda on an NVIDIA machine), or add device_fallback to the recipe",
         )
 
     macos = _macos_version()
@@ -326,7 +326,7 @@ def mps_status() -> BackendStatus:
             False,
             "Python reports an x86_64 machine on macOS (an Intel Mac or an x86_64 Python); "
             "PyTorch's MPS backend supports Apple silicon only",
-            "on an Apple-silicon Mac use a native arm64 Python; on an Intel Mac use --device cpu",
+            "on an Apple-silicon Mac use a native arm64 Python; on an Intel Mac run with device=cpu",
         )
 
     available = _safe(_mps_available, False)
@@ -431,7 +431,7 @@ def cuda_status() -> BackendStatus:
                 f"no NVIDIA driver or GPU found (torch.cuda.is_available() is False, "
                 f"device_count={count}); torch is built for CUDA {runtime}",
                 "on a machine with an NVIDIA GPU install the NVIDIA driver (check `nvidia-smi`); "
-                "otherwise use --device cpu",
+                "otherwise run with device=cpu",
             )
         return status(
             False,
