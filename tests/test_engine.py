@@ -141,7 +141,7 @@ def test_compile_failure_falls_back_to_eager_and_says_so(work, monkeypatch) -> N
     import torch._inductor.config as inductor_config
 
     monkeypatch.setattr(inductor_config.cpp, "cxx", (None, "/nonexistent/c++"))
-    r = work.cli("run", RECIPES / "digits_mlp.yaml", "compile=true", "epochs=2", "-q")
+    r = work.cli("run", RECIPES / "digits_mlp.yaml", "device=cpu", "compile=true", "epochs=2", "-q")
     assert r.exit_code == 0, r.output
     assert "compile: torch.compile failed" in r.stdout and "running eager" in r.stdout
     run = work.runs("digits_mlp")[0]

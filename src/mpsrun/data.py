@@ -50,6 +50,7 @@ class ResidentBatches:
         self.x = x.to(device)
         self.y = y.to(device)
         self.n = len(self.y)
+        self.samples = self.n  # samples per epoch (len() is batches)
         self.batch_size = batch_size
         self.device = device
         self.shuffle = shuffle
@@ -104,6 +105,7 @@ class LoaderBatches:
             pin_memory=pin,
             **kwargs,
         )
+        self.samples = len(ds)  # samples per epoch (len() is batches)
         self.device = device
         self.non_blocking = pin
 

@@ -153,7 +153,14 @@ class Listeners(Listener):
 class Trainer:
     """Eager training and validation steps; the reference that graphs must match."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, options: Options) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        options: Options,
+        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.device = device
@@ -162,7 +169,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type) if options.precision == "fp16" else None
         self.loss_sum = torch.zeros((), device=device)
         self.correct = torch.zeros((), dtype=torch.long, device=device)
-        self.transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.transform = transform  # the dataset's, applied on the device inside the step
 
     def autocast(self, cache: bool = True) -> contextlib.AbstractContextManager:
         if self.amp_dtype is None:
@@ -345,11 +352,10 @@ def train(
     listener: Listener,
 ) -> TrainResult:
     """Train for `epochs`, validating after each; returns every epoch's measured figures."""
-    trainer: Trainer = (GraphTrainer if options.graphs else Trainer)(model, optimizer, device, options)
-    trainer.transform = plan.transform
+    trainer: Trainer = (GraphTrainer if options.graphs else Trainer)(model, optimizer, device, options, plan.transform)
     listener.on_start(epochs, len(plan.train), len(plan.val))
-    n_train = _count(plan.train)
-    n_val = _count(plan.val)
+    n_train = plan.train.samples
+    n_val = plan.val.samples
     results: list[EpochMetrics] = []
     devices.reset_peak_memory(device)
     peak = 0
@@ -400,9 +406,7 @@ def _capture_or_eager(trainer: "GraphTrainer", plan: BatchPlan, listener: Listen
         trainer.options.notes.append(note)
         trainer.options.graphs = False
         listener.on_note(note)
-        eager = Trainer(trainer.model, trainer.optimizer, trainer.device, trainer.options)
-        eager.transform = trainer.transform
-        return eager
+        return Trainer(trainer.model, trainer.optimizer, trainer.device, trainer.options, trainer.transform)
 
 
 def _first_batch(batches: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -438,9 +442,3 @@ def _compile_or_eager(trainer: Trainer, plan: BatchPlan, listener: Listener) -> 
     finally:
         trainer.model.train()
         _restore(base, trainer.optimizer, snapshot)
-
-
-def _count(batches: Any) -> int:
-    if isinstance(batches, ResidentBatches):
-        return batches.n
-    return len(batches.loader.dataset)

@@ -11,7 +11,6 @@ import inspect
 import random
 import sys
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -239,7 +238,7 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
     experiment = recipe.tracking.experiment or r.path.stem
     tracker = tracking.Tracker(uri, experiment, artifact_root)
     info = tracker.start(recipe.tracking.run_name, {**run_tags(setup), **(tags or {})}, parent_run_id)
-    tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": _size(setup.plan.train), "data.val_size": _size(setup.plan.val)})
+    tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": setup.plan.train.samples, "data.val_size": setup.plan.val.samples})
     tracker.log_text(r.as_yaml(), "recipe.yaml")
     if setup.splits.info:  # e.g. tabular's category vocabularies: needed to use the weights later
         import json
@@ -288,10 +287,6 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
         raise RunFailed(f"{type(e).__name__}: {e}", info.run_id) from e
     tracker.finish("FINISHED")
     return RunSummary(info, result, setup, tracker.log_time_s)
-
-
-def _size(b: Any) -> int:
-    return b.n if hasattr(b, "n") else len(b.loader.dataset)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
