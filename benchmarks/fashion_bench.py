@@ -43,7 +43,7 @@ RECIPE = ROOT / "recipes" / "fashion_mlp_mps.yaml"
 
 def ensure_data(root: Path, n_train: int, n_test: int) -> str:
     """Real files if present, else generated ones in the same format; says which."""
-    from mpsrun.builtin.datasets import _has_files
+    from mpsrun.plugins.builtin.datasets import _has_files
     from mpsrun.testing.idx import write_idx_dataset
 
     raw = root / "FashionMNIST" / "raw"
@@ -100,7 +100,7 @@ def run_mpsrun(root: Path, device: str, epochs: int, store: Path, extra: list[st
 
 
 def machine(device: str) -> str:
-    from mpsrun import sysinfo
+    from mpsrun.devices import sysinfo
 
     cpu = sysinfo.cpu_status().details
     desc = f"{platform.system()} {platform.machine()}, {cpu.get('brand', '?')}, {os.cpu_count()} logical CPUs"

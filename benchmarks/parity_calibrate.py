@@ -16,7 +16,7 @@ and the worst difference/tolerance ratio (above 1: "diverge"):
     python benchmarks/parity_calibrate.py [--steps 20,200] [--fashion-root DIR]
 
 Without --fashion-root a small synthetic FashionMNIST is written to a temp folder.
-The numbers quoted in mpsrun/parity.py's docstring come from this script.
+The numbers quoted in mpsrun/devices/parity/run.py's docstring come from this script.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from mpsrun import parity
-from mpsrun.recipe import resolve
+from mpsrun.devices.parity import run as parity
+from mpsrun.plugins import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 

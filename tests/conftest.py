@@ -135,7 +135,7 @@ def fake_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[
 
 
 def _clear_plugin_cache() -> None:
-    from mpsrun import plugins
+    from mpsrun.plugins import registry as plugins
 
     plugins.discover.cache_clear()
     importlib.invalidate_caches()

@@ -17,9 +17,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mpsrun import devices, engine, matrix, runner
-from mpsrun.compare import ChildRun, build_rows, columns, compute_speedups, Table
-from mpsrun.recipe import RecipeError, resolve
+from mpsrun.devices import resolve as devices
+from mpsrun.recipe import matrix
+from mpsrun.train import engine, runner
+from mpsrun.bench.compare import ChildRun, build_rows, columns, compute_speedups, Table
+from mpsrun.plugins import resolve
+from mpsrun.recipe import RecipeError
 
 from .conftest import RECIPES
 
@@ -447,7 +450,7 @@ def test_zoo_bench_trains_torchvision_models_on_the_cpu(work, mnist_root) -> Non
 
 
 def test_zoo_adapts_head_and_first_conv(monkeypatch, tmp_path) -> None:
-    from mpsrun.builtin.zoo import torchvision_model
+    from mpsrun.plugins.builtin.zoo import torchvision_model
 
     for arch in ("resnet18", "efficientnet_b0", "squeezenet1_1"):
         m = torchvision_model(arch, num_classes=7, input_shape=(1, 40, 40))
@@ -475,7 +478,7 @@ def test_zoo_arch_checked_at_validation_with_did_you_mean(work) -> None:
 def test_zoo_weights_only_from_the_local_cache(work, mnist_root, monkeypatch, tmp_path) -> None:
     from torchvision.models import SqueezeNet1_1_Weights, get_model
 
-    from mpsrun.builtin.zoo import cached_weights_path, torchvision_model
+    from mpsrun.plugins.builtin.zoo import cached_weights_path, torchvision_model
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
     args = ["device=cpu", "batch_size=16", "model.arch=squeezenet1_1", "model.weights=IMAGENET1K_V1",

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from mpsrun import canary
+from mpsrun.devices import canary
 
 from .conftest import RECIPES
 

@@ -147,7 +147,7 @@ def test_value_error_from_a_plugin_is_bad_input_naming_it(work) -> None:
 
 @pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32), (1, 8, 8), (2, 9, 13)])
 def test_cnn_fits_any_chw(shape) -> None:
-    from mpsrun.builtin.cnn import cnn
+    from mpsrun.plugins.builtin.cnn import cnn
 
     model = cnn(shape, 7)
     assert model(torch.zeros(5, *shape)).shape == (5, 7)
@@ -182,7 +182,7 @@ def test_mnist_cnn_recipe_trains_offline_with_fallback(work, tmp_path) -> None:
 
 
 def test_synthetic_is_seeded_and_shaped() -> None:
-    from mpsrun.builtin.synthetic import synthetic
+    from mpsrun.plugins.builtin.synthetic import synthetic
 
     a = synthetic(shape=[3, 8, 8], num_classes=5, train_size=64, val_size=16, seed=1)
     b = synthetic(shape=[3, 8, 8], num_classes=5, train_size=64, val_size=16, seed=1)
@@ -234,7 +234,7 @@ def test_tabular_recipe_trains_offline_from_a_fresh_working_directory(work) -> N
 
 
 def test_tabular_codes_unknowns_and_standardises_with_training_statistics_only(tmp_path) -> None:
-    from mpsrun.builtin.tabular import tabular, tabular_mlp
+    from mpsrun.plugins.builtin.tabular import tabular, tabular_mlp
 
     (tmp_path / "train.csv").write_text("colour,size,label\nred,1,2\nblue,2,10\nred,3,2\n,6,10\n")
     (tmp_path / "val.csv").write_text("colour,size,label\ngreen,4,2\nblue,,10\n")
@@ -257,7 +257,7 @@ def test_tabular_codes_unknowns_and_standardises_with_training_statistics_only(t
 
 
 def test_tabular_seeded_split_is_reproducible_and_disjoint() -> None:
-    from mpsrun.builtin.tabular import tabular
+    from mpsrun.plugins.builtin.tabular import tabular
 
     kw = dict(path="data/churn.csv", target="churn", categorical=["plan"], numeric=["tenure_months"], recipe_dir=str(RECIPES))
     a, b, c = tabular(**kw, seed=0), tabular(**kw, seed=0), tabular(**kw, seed=1)
@@ -366,13 +366,13 @@ def _tree(root: Path) -> dict[str, str]:
 
 
 def test_example_package_is_the_scaffold_output() -> None:
-    from mpsrun import scaffold
+    from mpsrun.plugins import scaffold
 
     names = scaffold.Names.make("mpsrun-plugin-example", model="residual_mlp", dataset="spirals")
     expected = scaffold.files(names, schema_ref="../../../docs/recipe.schema.json")
     assert _tree(EXAMPLE) == expected, (
         "examples/mpsrun-plugin-example differs from `mpsrun new plugin`'s output; regenerate it with "
-        "mpsrun.scaffold.write(Path('examples/mpsrun-plugin-example'), Names.make('mpsrun-plugin-example', "
+        "mpsrun.plugins.scaffold.write(Path('examples/mpsrun-plugin-example'), Names.make('mpsrun-plugin-example', "
         "model='residual_mlp', dataset='spirals'), schema_ref='../../../docs/recipe.schema.json')"
     )
 
@@ -404,7 +404,7 @@ def test_new_plugin_writes_a_package_that_installs_and_trains(work, install) -> 
     assert r.exit_code == 0, r.output
     pkg = work.path / "my-lab"
     assert (pkg / "pyproject.toml").is_file() and (pkg / "src" / "my_lab" / "models.py").is_file()
-    from mpsrun.schema import render
+    from mpsrun.recipe.schema import render
 
     assert (pkg / "recipe.schema.json").read_text() == render()
     before = _tree(pkg)

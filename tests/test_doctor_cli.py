@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mpsrun import sysinfo
+from mpsrun.devices import backends, host
 
 from .conftest import RECIPES
 
@@ -73,7 +73,7 @@ def test_doctor_cuda_mock_lists_each_gpu(work, monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91002)
-    monkeypatch.setattr(sysinfo, "_cuda_driver_version", lambda: "580.65.06")
+    monkeypatch.setattr(backends, "_cuda_driver_version", lambda: "580.65.06")
     r = work.cli("doctor", "--json", "--device", "cuda")
     assert r.exit_code == 0, r.output
     cuda = json.loads(r.stdout)["backends"]["cuda"]
@@ -95,4 +95,4 @@ def test_every_run_carries_namespaced_device_and_software_tags(work) -> None:
         assert any(k.startswith(ns) for k in named), ns
     assert all(v and v != "unknown" for k, v in named.items() if k in ("cpu.brand", "sw.torch", "sw.mlflow", "sw.python", "device.type"))
     assert named["device.type"] == "cpu" and named["sw.torch"] == torch.__version__
-    assert named["mps.available"] == sysinfo._yn(torch.backends.mps.is_available())
+    assert named["mps.available"] == host._yn(torch.backends.mps.is_available())

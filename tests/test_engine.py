@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpsrun import engine, runner
-from mpsrun.data import ResidentBatches
-from mpsrun.recipe import resolve
+from mpsrun.train import engine, runner
+from mpsrun.train.data import ResidentBatches
+from mpsrun.plugins import resolve
 
 from .conftest import RECIPES
 

@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from mpsrun import parity
-from mpsrun.recipe import resolve
+from mpsrun.devices.parity import run as parity
+from mpsrun.plugins import resolve
 
 from .conftest import RECIPES, digits_recipe
 

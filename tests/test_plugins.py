@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from mpsrun import plugins
+from mpsrun.plugins import registry as plugins
 
 from .conftest import RECIPES, digits_recipe
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mpsrun.recipe import RecipeError, parse_override, resolve
+from mpsrun.plugins import resolve
+from mpsrun.recipe import RecipeError, parse_override
 
 from .conftest import RECIPES
 

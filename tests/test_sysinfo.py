@@ -1,4 +1,4 @@
-"""Tests for mpsrun.sysinfo and mpsrun.doctor.
+"""Tests for mpsrun.devices.sysinfo (host, backends) and mpsrun.devices.doctor.
 
 The real-machine tests assume what CI has: Linux, no GPU. The Mac branch is
 exercised with monkeypatched probes (tests named ``*mps_mock*``), the CUDA
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mpsrun import doctor, sysinfo
+from mpsrun.devices import backends, doctor, host, sysinfo
 
 ON_LINUX_NO_GPU = sys.platform.startswith("linux") and not torch.cuda.is_available()
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -27,13 +27,13 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 @pytest.fixture(autouse=True)
 def _fresh_caches():
     """Cached probes must not leak a simulated Mac into other tests."""
-    sysinfo._cpu_brand.cache_clear()
-    sysinfo._physical_cores.cache_clear()
-    sysinfo._is_rosetta.cache_clear()
+    host._cpu_brand.cache_clear()
+    host._physical_cores.cache_clear()
+    host._is_rosetta.cache_clear()
     yield
-    sysinfo._cpu_brand.cache_clear()
-    sysinfo._physical_cores.cache_clear()
-    sysinfo._is_rosetta.cache_clear()
+    host._cpu_brand.cache_clear()
+    host._physical_cores.cache_clear()
+    host._is_rosetta.cache_clear()
 
 
 # --------------------------------------------------------------------- this machine
@@ -141,7 +141,7 @@ def test_run_tags_never_raises(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", boom)
     monkeypatch.setattr(torch, "get_num_threads", boom)
     monkeypatch.setattr(sysinfo, "software_versions", boom)
-    monkeypatch.setattr(sysinfo, "_machine", boom)
+    monkeypatch.setattr(host, "_machine", boom)
     tags = sysinfo.run_tags(torch.device("cuda:0"))
     assert tags["device.type"] == "cuda"
     assert tags["cpu.torch_threads"] == "unknown"
@@ -152,7 +152,7 @@ def test_run_tags_never_raises(monkeypatch):
 def test_no_mlflow_import():
     """sysinfo/doctor must stay cheap: reading mlflow's version must not import it."""
     code = (
-        "import sys; from mpsrun import sysinfo, doctor; "
+        "import sys; from mpsrun.devices import sysinfo, doctor; "
         "sysinfo.run_tags(); doctor.build_report(); "
         "assert 'mlflow' not in sys.modules, 'mlflow imported'"
     )
@@ -226,10 +226,10 @@ def test_doctor_render_shows_marks_reasons_and_software():
 def fake_mac(monkeypatch):
     """An Apple-silicon Mac on macOS 14.5 with an MPS-enabled torch; tests break one thing."""
     monkeypatch.setattr(sys, "platform", "darwin")
-    monkeypatch.setattr(sysinfo.platform, "mac_ver", lambda: ("14.5", ("", "", ""), "arm64"))
-    monkeypatch.setattr(sysinfo, "_machine", lambda: "arm64")
-    monkeypatch.setattr(sysinfo, "_is_rosetta", lambda: False)
-    monkeypatch.setattr(sysinfo, "_mac_chip", lambda: "Apple M2 Max")
+    monkeypatch.setattr(host.platform, "mac_ver", lambda: ("14.5", ("", "", ""), "arm64"))
+    monkeypatch.setattr(host, "_machine", lambda: "arm64")
+    monkeypatch.setattr(host, "_is_rosetta", lambda: False)
+    monkeypatch.setattr(host, "_mac_chip", lambda: "Apple M2 Max")
     monkeypatch.setattr(torch.backends.mps, "is_built", lambda: True)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     monkeypatch.setattr(torch, "__version__", "2.9.1")
@@ -260,8 +260,8 @@ def test_mps_mock_not_built_reason(fake_mac):
 
 
 def test_mps_mock_rosetta_reason(fake_mac):
-    fake_mac.setattr(sysinfo, "_is_rosetta", lambda: True)
-    fake_mac.setattr(sysinfo, "_machine", lambda: "x86_64")
+    fake_mac.setattr(host, "_is_rosetta", lambda: True)
+    fake_mac.setattr(host, "_machine", lambda: "x86_64")
     st = sysinfo.mps_status()
     assert st.usable is False
     assert "Rosetta" in st.reason and "arm64" in st.reason
@@ -269,14 +269,14 @@ def test_mps_mock_rosetta_reason(fake_mac):
 
 
 def test_mps_mock_x86_python_reason(fake_mac):
-    fake_mac.setattr(sysinfo, "_machine", lambda: "x86_64")
+    fake_mac.setattr(host, "_machine", lambda: "x86_64")
     st = sysinfo.mps_status()
     assert st.usable is False
     assert "x86_64" in st.reason and "Rosetta" not in st.reason
 
 
 def test_mps_mock_old_macos_reason(fake_mac):
-    fake_mac.setattr(sysinfo.platform, "mac_ver", lambda: ("13.6.1", ("", "", ""), "arm64"))
+    fake_mac.setattr(host.platform, "mac_ver", lambda: ("13.6.1", ("", "", ""), "arm64"))
     fake_mac.setattr(torch.backends.mps, "is_available", lambda: False)
     st = sysinfo.mps_status()
     assert st.usable is False
@@ -286,7 +286,7 @@ def test_mps_mock_old_macos_reason(fake_mac):
 
 def test_mps_mock_old_macos_for_older_torch(fake_mac):
     fake_mac.setattr(torch, "__version__", "2.6.0")
-    fake_mac.setattr(sysinfo.platform, "mac_ver", lambda: ("12.7.6", ("", "", ""), "arm64"))
+    fake_mac.setattr(host.platform, "mac_ver", lambda: ("12.7.6", ("", "", ""), "arm64"))
     fake_mac.setattr(torch.backends.mps, "is_available", lambda: False)
     st = sysinfo.mps_status()
     assert st.usable is False
@@ -296,7 +296,7 @@ def test_mps_mock_old_macos_for_older_torch(fake_mac):
 
 def test_mps_mock_old_macos_but_torch_says_available(fake_mac):
     """torch is authoritative: a custom build on an older OS is not blocked by our table."""
-    fake_mac.setattr(sysinfo.platform, "mac_ver", lambda: ("13.6", ("", "", ""), "arm64"))
+    fake_mac.setattr(host.platform, "mac_ver", lambda: ("13.6", ("", "", ""), "arm64"))
     st = sysinfo.mps_status()
     assert st.usable is True
     assert "note" in st.details
@@ -314,8 +314,8 @@ def test_mps_mock_reasons_are_distinct(fake_mac):
     reasons = set()
     for patch in (
         lambda m: m.setattr(torch.backends.mps, "is_built", lambda: False),
-        lambda m: m.setattr(sysinfo, "_is_rosetta", lambda: True),
-        lambda m: m.setattr(sysinfo.platform, "mac_ver", lambda: ("12.6", ("", "", ""), "")),
+        lambda m: m.setattr(host, "_is_rosetta", lambda: True),
+        lambda m: m.setattr(host.platform, "mac_ver", lambda: ("12.6", ("", "", ""), "")),
         lambda m: None,
     ):
         with pytest.MonkeyPatch.context() as m:
@@ -369,7 +369,7 @@ def test_cuda_mock_old_driver_reason(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(sysinfo, "_cuda_driver_version", lambda: "525.60.13")
+    monkeypatch.setattr(backends, "_cuda_driver_version", lambda: "525.60.13")
     st = sysinfo.cuda_status()
     assert st.usable is False
     assert "525.60.13" in st.reason and "13.0" in st.reason
@@ -387,7 +387,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91002)
-    monkeypatch.setattr(sysinfo, "_cuda_driver_version", lambda: "570.86.15")
+    monkeypatch.setattr(backends, "_cuda_driver_version", lambda: "570.86.15")
     return monkeypatch
 
 

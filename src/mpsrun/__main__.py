@@ -1,3 +1,3 @@
-from .cli import main
+from mpsrun.cli import main
 
 main()

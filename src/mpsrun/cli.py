@@ -40,7 +40,7 @@ def _bad_input(message: str) -> typer.Exit:
 @contextlib.contextmanager
 def _recipe_errors() -> Iterator[None]:
     """Every recipe problem listed at once on stderr, exit code 2, no traceback."""
-    from .recipe import RecipeError
+    from mpsrun.recipe import RecipeError
 
     try:
         yield
@@ -50,7 +50,7 @@ def _recipe_errors() -> Iterator[None]:
 
 
 def _resolve(recipe: Path, overrides: list[str] | None):  # type: ignore[no-untyped-def]
-    from .recipe import resolve
+    from mpsrun.plugins import resolve
 
     with _recipe_errors():
         return resolve(recipe, overrides or [])
@@ -67,8 +67,8 @@ def run(
 ) -> None:
     """Train a recipe and record metrics, timings and device facts in MLflow."""
     resolved = _one_cell(_resolve(recipe, overrides))  # a matrix pinned to one cell runs; more: use bench
-    from . import runner
-    from .progress import BarProgress, QuietProgress
+    from mpsrun.train import runner
+    from mpsrun.train.progress import BarProgress, QuietProgress
 
     try:
         setup = runner.prepare(resolved)
@@ -134,7 +134,7 @@ def plugins_list(
         return
     from rich.markup import escape
 
-    from . import plugins
+    from mpsrun.plugins import registry as plugins
 
     if kind not in (None, "model", "dataset"):
         raise _bad_input(f"--kind must be model or dataset, not '{kind}'")
@@ -154,12 +154,12 @@ def plugins_list(
 @plugins_app.command("show")
 def plugins_show(name: str = typer.Argument(..., help="Plugin name, or distribution:name.")) -> None:
     """Show one plugin in full: where it comes from, its parameters and its docstring."""
-    from . import plugins
+    from mpsrun.plugins import registry as plugins
 
     found = [r for kind in ("model", "dataset") for r in plugins.describe_all(kind) if plugins.matches(r, name)]
     if not found:
         allnames = plugins.names("model") + plugins.names("dataset")
-        from .recipe import did_you_mean
+        from mpsrun.recipe.problems import did_you_mean
 
         raise _bad_input(f"no plugin named '{name}'{did_you_mean(name, allnames)}")
     for r in found:
@@ -188,7 +188,7 @@ def ui(
     import subprocess
     import sys
 
-    from . import tracking
+    from mpsrun.track import store as tracking
 
     uri, artifacts = tracking.resolve_uri(tracking_uri)
     cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port)]
@@ -207,7 +207,7 @@ def doctor(
     device: Optional[str] = typer.Option(None, "--device", help="Exit 1 unless this backend (cpu, mps, cuda) is usable."),
 ) -> None:
     """Say for each backend (cpu, mps, cuda) whether it is usable here and, if not, why."""
-    from . import doctor as doc
+    from mpsrun.devices import doctor as doc
 
     report = doc.build_report()
     if as_json:
@@ -241,8 +241,8 @@ def parity(
 ) -> None:
     """Check that two devices compute the same training: loss, gradients, logits, weights. Exit 0 agree, 1 diverge."""
     resolved = _resolve(recipe, overrides)
-    from . import parity as par
-    from . import runner
+    from mpsrun.devices.parity import run as par
+    from mpsrun.train import runner
 
     def line(rec: "par.StepRecord") -> None:
         if quiet:
@@ -299,7 +299,7 @@ def parity(
 @app.command()
 def schema() -> None:
     """Print the recipe JSON Schema, for editors: mpsrun schema > recipe.schema.json."""
-    from .schema import render
+    from mpsrun.recipe.schema import render
 
     print(render(), end="")
 
@@ -316,7 +316,7 @@ def new_plugin(
     dataset: Optional[str] = typer.Option(None, "--dataset", help="Entry-point name of the example dataset; default: MODULE_spirals.", show_default=False),
 ) -> None:
     """Write a plugin package (one model, one dataset, a recipe, tests), ready for pip install -e."""
-    from . import scaffold
+    from mpsrun.plugins import scaffold
 
     dest = directory if directory is not None else Path(name)
     try:
@@ -330,7 +330,7 @@ def new_plugin(
 
 def _cells(resolved):  # type: ignore[no-untyped-def]
     """Every matrix cell, validated; exit 2 listing each bad value at its matrix entry."""
-    from .matrix import expand
+    from mpsrun.recipe.matrix import expand
 
     if not resolved.recipe.matrix:
         return []
@@ -339,7 +339,7 @@ def _cells(resolved):  # type: ignore[no-untyped-def]
 
 
 def _one_cell(resolved):  # type: ignore[no-untyped-def]
-    from .matrix import single
+    from mpsrun.recipe.matrix import single
 
     with _recipe_errors():
         return single(resolved)
@@ -366,11 +366,12 @@ def bench(
     Exit 0 when every cell ran, 1 when any failed (the table says which, the child run holds the error).
     """
     resolved = _resolve(recipe, overrides)
-    from . import bench as benchmod
-    from . import compare as comparemod
-    from .engine import Listener
-    from .progress import QuietProgress
     from rich.markup import escape
+
+    from mpsrun.bench import compare as comparemod
+    from mpsrun.bench import matrix_run as benchmod
+    from mpsrun.train.engine import Listener
+    from mpsrun.train.progress import QuietProgress
 
     try:
         with _recipe_errors():
@@ -426,8 +427,8 @@ def compare(
     tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow tracking URI; default as for `run`."),
 ) -> None:
     """Rebuild a bench's results table from MLflow alone and print it."""
-    from . import compare as comparemod
-    from . import tracking
+    from mpsrun.bench import compare as comparemod
+    from mpsrun.track import store as tracking
 
     if baseline is not None and baseline not in ("cpu", "mps", "cuda", "none"):
         raise _bad_input(f"--baseline must be cpu, mps, cuda or none, not '{baseline}'")

@@ -19,7 +19,7 @@ MODELINE = "# yaml-language-server: $schema={path}"
 
 def recipe_schema() -> dict[str, Any]:
     """JSON Schema (draft 2020-12) of a recipe file, independent of installed plugins."""
-    from .recipe import Recipe
+    from mpsrun.recipe.model import Recipe
 
     schema = Recipe.model_json_schema()
     schema = {"$schema": DIALECT, "title": "mpsrun recipe", **{k: v for k, v in schema.items() if k != "title"}}
@@ -45,7 +45,7 @@ def _loosen_where_coerced(schema: dict[str, Any]) -> None:
     if fallback is not None and fallback.get("type") == "array":
         # `device_fallback: cpu` is read as [cpu]
         keep = {k: v for k, v in fallback.items() if k in ("title", "description", "default")}
-        from .recipe import DEVICE_PATTERN
+        from mpsrun.recipe.model import DEVICE_PATTERN
 
         items = {"type": "string", "pattern": DEVICE_PATTERN}
         fallback.clear()

@@ -20,142 +20,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .recipe import (
-    LoaderSection,
-    PluginSection,
-    Problem,
-    Recipe,
-    RecipeError,
-    RecipeSource,
-    Resolved,
-    TrackingSection,
-    did_you_mean,
-    parse_override,
-    validate_source,
-)
-
-SPECIAL = ("include", "exclude")
-_NOT_AXES = ("matrix", "repeats")
-
-
-def key_problem(key: str) -> str | None:
-    """Why `key` is not a recipe path a matrix may vary, or None when it is one."""
-    if key in SPECIAL:
-        return None
-    parts = key.split(".")
-    if any(not p for p in parts):
-        return "not a dotted recipe path such as optimizer.lr"
-    top = parts[0]
-    fields = [f for f in Recipe.model_fields if f not in _NOT_AXES]
-    if top in _NOT_AXES:
-        return f"'{top}' cannot vary inside a matrix"
-    if top not in Recipe.model_fields:
-        return f"unknown recipe path{did_you_mean(top, fields + list(SPECIAL))}"
-    ann = Recipe.model_fields[top].annotation
-    if ann is TrackingSection:
-        return "tracking settings cannot vary: every cell is a child run of one parent, in one experiment"
-    if len(parts) == 1 or ann is PluginSection:
-        return None  # plugin arguments are checked against the plugin's signature, per cell
-    if ann is LoaderSection:
-        sub = list(LoaderSection.model_fields)
-        if parts[1] not in sub:
-            return f"unknown recipe path{did_you_mean(parts[1], sub)}; loader keys: {', '.join(sub)}"
-        return None if len(parts) == 2 else f"'{top}.{parts[1]}' is a value, not a section"
-    return f"'{top}' is a value, not a section"
-
-
-def _is_override(where: str) -> bool:
-    return where.startswith("override ")
-
-
-def normalize(src: RecipeSource, overrides: list[str]) -> tuple[RecipeSource, list[Problem]]:
-    """Flatten nested matrix keys and apply command-line pins; every entry keeps its location.
-
-    Called by `recipe.resolve` after overrides are applied and before validation.
-    """
-    raw = src.data.get("matrix")
-    if not isinstance(raw, dict):
-        return src, []
-    data = copy.deepcopy(src.data)
-    positions = dict(src.positions)
-    problems: list[Problem] = []
-    flat: dict[str, Any] = {}
-    origin: dict[str, tuple] = {}  # flattened key -> its location tuple before flattening
-
-    def walk(node: dict, prefix: tuple) -> None:
-        for k, v in node.items():
-            loc = prefix + (str(k),)
-            if isinstance(v, dict) and str(k) not in SPECIAL:
-                walk(v, loc)
-                continue
-            key = ".".join(loc)
-            if key in flat:
-                old, new = src.where(("matrix",) + origin[key]), src.where(("matrix",) + loc)
-                if _is_override(new) and not _is_override(old):
-                    # the command line wins over the file; forget where the file's values were
-                    stale = ("matrix",) + origin[key]
-                    for p in [p for p in positions if p[: len(stale)] == stale]:
-                        del positions[p]
-                elif _is_override(old) and not _is_override(new):
-                    continue
-                else:
-                    problems.append(Problem(f"matrix.{key}", "given twice (once as a dotted key, once nested); keep one", new))
-                    continue
-            flat[key] = v
-            origin[key] = loc
-
-    walk(raw, ())
-    # Move positions of nested entries to their flattened keys.
-    for key, loc in origin.items():
-        if len(loc) == 1:
-            continue
-        full = ("matrix",) + loc
-        for p in [p for p in positions if p[: len(full)] == full]:
-            positions[("matrix", key) + p[len(full) :]] = positions[p]
-
-    # A plain override of an axis's own path pins that axis.
-    pinned: dict[str, Any] = {}
-    for text in overrides:
-        try:
-            keys, value = parse_override(text)
-        except ValueError:
-            continue  # apply_overrides has reported it
-        key = ".".join(keys)
-        if key in flat and key not in SPECIAL:
-            pinned[key] = value
-            del flat[key]
-    for name in SPECIAL:
-        items = flat.get(name)
-        if not isinstance(items, list):
-            if name in flat:
-                problems.append(Problem(f"matrix.{name}", "expected a list of {path: value} mappings", src.where(("matrix", name))))
-            continue
-        kept = []
-        for j, item in enumerate(items):
-            where = positions.get(("matrix", name, j)) or src.where(("matrix", name))
-            if not isinstance(item, dict) or not item:
-                problems.append(Problem(f"matrix.{name}[{j}]", "expected a mapping of recipe paths to values", where))
-                continue
-            bad = False
-            for k in item:
-                why = key_problem(str(k)) or ("not a path a cell can set" if str(k) in SPECIAL else None)
-                if why is None and name == "exclude" and str(k) not in flat and str(k) not in pinned:
-                    why = f"exclude may only name matrix axes ({', '.join(a for a in flat if a not in SPECIAL) or 'none'})"
-                if why:
-                    problems.append(Problem(f"matrix.{name}[{j}].{k}", why, positions.get(("matrix", name, j, k), where)))
-                    bad = True
-            if bad:
-                continue
-            # Items about a pinned axis apply only when they agree with the pin.
-            if any(k in pinned and item[k] != pinned[k] for k in item):
-                continue
-            kept.append({k: v for k, v in item.items() if k not in pinned})
-        flat[name] = [i for i in kept if i]
-        if not flat[name]:
-            del flat[name]
-    data["matrix"] = flat
-    return RecipeSource(src.path, data, positions), problems
-
+from mpsrun.recipe.load import Resolved, validate_source
+from mpsrun.recipe.model import _NOT_AXES, SPECIAL, Recipe
+from mpsrun.recipe.problems import Problem, RecipeError, RecipeSource
 
 # ----------------------------------------------------------------------------- cells
 
@@ -234,7 +101,7 @@ def _set_path(data: dict, keys: list[str], value: Any) -> str | None:
     return None
 
 
-def expand(resolved: Resolved, check_plugins: bool = True) -> list[Cell]:
+def expand(resolved: Resolved) -> list[Cell]:
     """Every cell of the recipe's matrix, each validated like a recipe of its own.
 
     Raises RecipeError listing every problem of every cell, each at the matrix
@@ -268,7 +135,7 @@ def expand(resolved: Resolved, check_plugins: bool = True) -> list[Cell]:
         overrides = resolved.overrides + [f"{k}={fmt_value(v)}" for k, v in values.items()]
         if not local:
             try:
-                cells.append(Cell(index, values, axes, validate_source(cell_src, overrides, check_plugins=check_plugins), where))
+                cells.append(Cell(index, values, axes, validate_source(cell_src, overrides, check=resolved.check), where))
                 continue
             except RecipeError as e:
                 local = e.problems

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from pydantic import ConfigDict, ValidationError, create_model
 
-from .recipe import Problem, RecipeSource, did_you_mean
+from mpsrun.recipe.problems import Problem, RecipeSource, did_you_mean
 
 GROUPS = {"model": "mpsrun.models", "dataset": "mpsrun.datasets"}
 # Parameters the runner fills in itself; a recipe may not set them.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from mpsrun import sysinfo
+from mpsrun.devices import sysinfo
 
 if TYPE_CHECKING:  # pragma: no cover
     from rich.console import Console

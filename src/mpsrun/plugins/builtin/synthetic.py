@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 from torch.utils.data import TensorDataset
 
-from ..contract import DataSplits, ImageTransform
+from mpsrun.plugins.contract import DataSplits, ImageTransform
 
 
 def synthetic(

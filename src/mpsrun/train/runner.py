@@ -16,11 +16,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import canary, devices, plugins, tracking
-from .contract import DataSplits
-from .data import BatchPlan, plan_batches
-from .engine import Listener, Listeners, Options, TrainResult, train
-from .recipe import Recipe, Resolved, flatten
+from mpsrun.devices import canary
+from mpsrun.devices import resolve as devices
+from mpsrun.plugins import registry as plugins
+from mpsrun.plugins.contract import DataSplits
+from mpsrun.recipe.load import Resolved, flatten
+from mpsrun.recipe.model import Recipe
+from mpsrun.track import store as tracking
+from mpsrun.train.data import BatchPlan, plan_batches
+from mpsrun.train.engine import Listener, Listeners, Options, TrainResult, train
 
 
 class InputError(Exception):
@@ -64,7 +68,7 @@ def seed_everything(seed: int) -> None:
 
 
 def build_data(recipe: Recipe, resolved: Resolved) -> DataSplits:
-    from .builtin.datasets import DatasetUnavailable
+    from mpsrun.plugins.builtin.datasets import DatasetUnavailable
 
     filled = {"seed": recipe.seed, "recipe_dir": str(resolved.path.resolve().parent)}
     try:
@@ -225,7 +229,7 @@ def run_tags(setup: Setup) -> dict[str, str]:
 
 
 def _version() -> str:
-    from . import __version__
+    from mpsrun import __version__
 
     return __version__
 

@@ -54,7 +54,7 @@ def files(names: Names, schema_ref: str | None = None) -> dict[str, str]:
     schema_ref: where the recipe's editor modeline points; None writes the schema
     into the package (recipe.schema.json) and points there.
     """
-    from .schema import render
+    from mpsrun.recipe.schema import render
 
     ref = schema_ref or "../recipe.schema.json"
     subs = {"dist": names.dist, "module": names.module, "model": names.model, "dataset": names.dataset, "schema_ref": ref}

@@ -18,9 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import compare, matrix, runner, sysinfo, tracking
-from .engine import Listener
-from .recipe import Resolved, flatten
+from mpsrun.bench import compare
+from mpsrun.devices import sysinfo
+from mpsrun.recipe import matrix
+from mpsrun.recipe.load import Resolved, flatten
+from mpsrun.track import store as tracking
+from mpsrun.train import runner
+from mpsrun.train.engine import Listener
 
 DEVICE_TYPES = ("cpu", "mps", "cuda")
 
@@ -93,7 +97,7 @@ def plan(resolved: Resolved, baseline: str | None = None) -> Plan:
 
 def _file_axes(resolved: Resolved) -> list[str]:
     """Axes the recipe file declares (before command-line pins)."""
-    from .recipe import load_source
+    from mpsrun.recipe.load import load_source
 
     try:
         raw = load_source(resolved.path).data.get("matrix")

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import devices
-from .data import BatchPlan, ResidentBatches
+from mpsrun.devices import resolve as devices
+from mpsrun.train.data import BatchPlan, ResidentBatches
 
 GRAPH_STEPS = 16  # training steps per CUDA graph replay
 

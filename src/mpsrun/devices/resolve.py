@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import sysinfo
+from mpsrun.devices import sysinfo
 
 AUTO_ORDER = ("cuda", "mps", "cpu")
 

@@ -10,9 +10,15 @@ from __future__ import annotations
 import time
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
-from .engine import EpochMetrics, Listener
+from mpsrun.train.engine import EpochMetrics, Listener
 
 
 def epoch_line(m: EpochMetrics, epochs: int) -> str:

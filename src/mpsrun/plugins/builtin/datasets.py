@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch.utils.data import TensorDataset
 
-from ..contract import DataSplits, ImageTransform
+from mpsrun.plugins.contract import DataSplits, ImageTransform
 
 _MNIST_FILES = (
     "train-images-idx3-ubyte",

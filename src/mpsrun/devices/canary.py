@@ -47,7 +47,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from . import devices
+from mpsrun.devices import resolve as devices
+from mpsrun.devices.parity.tolerance import Diff
 
 # Test hooks (see module docstring); empty / off in normal use. A PERTURB function
 # gets the device's outputs of that check (a tuple of CPU tensors) and returns them altered.
@@ -59,34 +60,6 @@ BUDGET_S = 1.0  # the check is meant to take less than this; slower is recorded
 
 
 # ----------------------------------------------------------------------------- comparison
-
-
-@dataclass
-class Diff:
-    """How far `value` is from `ref`, normwise: max |value - ref| against max |ref|."""
-
-    abs: float  # largest absolute difference
-    rel: float  # abs divided by the reference's largest magnitude (0 when both are 0)
-    ratio: float  # abs / limit: above 1 means out of tolerance
-    limit: float = 0.0  # atol + rtol * max|ref|
-    note: str = ""
-
-    @property
-    def exceeded(self) -> bool:
-        return not self.ratio <= 1.0  # NaN counts as exceeded
-
-    @staticmethod
-    def worst(diffs: Sequence["Diff"]) -> "Diff":
-        if not diffs:
-            return Diff(0.0, 0.0, 0.0)
-        top = max(diffs, key=lambda d: d.ratio if d.ratio == d.ratio else float("inf"))
-        return Diff(
-            max(d.abs for d in diffs),
-            max(d.rel for d in diffs),
-            top.ratio,
-            top.limit,
-            "; ".join(d.note for d in diffs if d.note),
-        )
 
 
 def compare(value: torch.Tensor | float, ref: torch.Tensor | float, atol: float, rtol: float) -> Diff:
@@ -101,16 +74,16 @@ def compare(value: torch.Tensor | float, ref: torch.Tensor | float, atol: float,
     a, b = (x.detach().cpu().to(torch.float64) if torch.is_tensor(x) else torch.tensor(x, dtype=torch.float64) for x in (value, ref))
     if a.shape != b.shape:
         inf = float("inf")
-        return Diff(inf, inf, inf, 0.0, f"shape {tuple(a.shape)} vs {tuple(b.shape)}")
+        return Diff(abs=inf, rel=inf, ratio=inf, note=f"shape {tuple(a.shape)} vs {tuple(b.shape)}")
     if a.numel() == 0:
-        return Diff(0.0, 0.0, 0.0)
+        return Diff(abs=0.0, rel=0.0)
     same_nonfinite = (a.isnan() & b.isnan()) | (a.isinf() & (a == b))
     finite = a.isfinite() & b.isfinite()
     bad = ~(finite | same_nonfinite)
     note = ""
     if bad.any():
         inf = float("inf")
-        return Diff(inf, inf, inf, 0.0, f"{int(bad.sum())} non-finite value(s) differ")
+        return Diff(abs=inf, rel=inf, ratio=inf, note=f"{int(bad.sum())} non-finite value(s) differ")
     if same_nonfinite.any():
         note = f"{int(same_nonfinite.sum())} non-finite value(s) on both sides"
     d = (a - b).abs()[finite]
@@ -120,7 +93,7 @@ def compare(value: torch.Tensor | float, ref: torch.Tensor | float, atol: float,
     rel = dmax / smax if smax > 0 else (0.0 if dmax == 0 else float("inf"))
     limit = atol + rtol * smax
     ratio = dmax / limit if limit > 0 else (0.0 if dmax == 0 else float("inf"))
-    return Diff(dmax, rel, ratio, limit, note)
+    return Diff(abs=dmax, rel=rel, ratio=ratio, limit=limit, note=note)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .matrix import fmt_value
+from mpsrun.recipe.matrix import fmt_value
 
 if TYPE_CHECKING:  # pragma: no cover
     from rich.console import Console
@@ -197,7 +197,7 @@ def build_rows(axes: list[str], children: list[ChildRun], plan: list[dict[str, A
 
 
 def _client(uri: str) -> Any:
-    from . import tracking
+    from mpsrun.track import store as tracking
 
     return tracking.client(uri)
 
@@ -223,7 +223,7 @@ def find_parent(c: Any, target: str) -> Any:
     exp = c.get_experiment_by_name(target)
     if exp is None:
         names = [e.name for e in c.search_experiments()]
-        from .recipe import did_you_mean
+        from mpsrun.recipe.problems import did_you_mean
 
         raise CompareError(f"no experiment and no run named '{target}'{did_you_mean(target, names)}")
     runs = c.search_runs(
@@ -478,9 +478,8 @@ def render(table: Table, console: Console) -> None:
         console.print(t)
         return
     # Logs and pipes: the table at its natural width, not folded into 80 columns.
-    from rich.measure import Measurement
-
     from rich.console import Console as RichConsole
+    from rich.measure import Measurement
 
     width = max(console.width, Measurement.get(console, console.options.update(width=1000), t).maximum)
     RichConsole(file=console.file, width=width, no_color=console.no_color).print(t)

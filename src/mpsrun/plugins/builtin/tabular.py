@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from ..contract import DataSplits
-from ..recipe import did_you_mean
+from mpsrun.plugins.contract import DataSplits
+from mpsrun.recipe.problems import did_you_mean
 
 UNKNOWN = 0  # code of a category not seen in the training split, or of an empty cell
 

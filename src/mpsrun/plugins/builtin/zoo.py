@@ -19,8 +19,8 @@ import torch
 from pydantic_core import PydanticCustomError, core_schema
 from torch import nn
 
-from ..plugins import PluginError
-from ..recipe import did_you_mean
+from mpsrun.plugins.registry import PluginError
+from mpsrun.recipe.problems import did_you_mean
 
 
 @lru_cache(maxsize=1)

@@ -1,0 +1,1 @@
+"""The devices wing: which device to use and why not, host facts, doctor, canaries, parity."""

@@ -1,0 +1,159 @@
+"""The recipe's shape: Pydantic models whose field docs become the JSON Schema.
+
+Also `key_problem`, which says whether a dotted path is one a matrix may vary: it
+needs the models' fields, and keeping it here lets `overrides` and `matrix` import
+the models without either importing the other.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+from mpsrun.recipe.problems import did_you_mean
+
+DEVICE_PATTERN = r"^(auto|cpu|mps|cuda(:\d+)?)$"
+Auto = Literal["auto"]
+
+
+class PluginSection(BaseModel):
+    """A `name:` plus that plugin's keyword arguments, flat beside it."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class TrackingSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    experiment: str | None = None
+    run_name: str | None = None
+    tags: dict[str, str] = Field(default_factory=dict)
+    log_model: bool = Field(True, description="save the final weights as the run's model.pt artifact")
+
+    @field_validator("tags", mode="before")
+    @classmethod
+    def _tags_as_strings(cls, v: Any) -> Any:
+        # YAML turns `seed: 1` into an int; MLflow tags are strings anyway.
+        if isinstance(v, dict):
+            return {str(k): str(val) for k, val in v.items()}
+        return v
+
+
+class LoaderSection(BaseModel):
+    """Options for the DataLoader path, used when data is not device-resident."""
+
+    model_config = ConfigDict(extra="forbid")
+    num_workers: int = Field(0, ge=0)
+    persistent_workers: bool = True
+    pin_memory: Union[Auto, bool] = "auto"
+
+
+def _matrix_key(key: str) -> str:
+    """A matrix key must be a recipe path a cell can set (see `key_problem`)."""
+    problem = key_problem(key)
+    if problem:
+        raise PydanticCustomError("matrix_key", problem)
+    return key
+
+
+MatrixKey = Annotated[str, AfterValidator(_matrix_key)]
+
+
+class Recipe(BaseModel):
+    """The validated recipe. Field docs become the JSON Schema's descriptions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: str = Field("auto", pattern=DEVICE_PATTERN, description="auto, cpu, mps, cuda or cuda:N")
+    device_fallback: list[str] = Field(
+        default_factory=list, description="devices to try, in order, when `device` is unusable"
+    )
+    epochs: int = Field(1, ge=1)
+    batch_size: int = Field(64, ge=1)
+    seed: int = 0
+    dataset: PluginSection
+    model: PluginSection
+    optimizer: PluginSection
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
+    loader: LoaderSection = Field(default_factory=LoaderSection)
+
+    # Speed options: each `auto` is resolved per device by the engine and recorded.
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    channels_last: Union[Auto, bool] = "auto"
+    compile: Union[Auto, bool] = "auto"
+    graphs: Union[Auto, bool] = Field("auto", description="CUDA graphs around the whole step")
+    cudnn_benchmark: Union[Auto, bool] = Field(
+        "auto", description="let cuDNN time its convolution algorithms (auto: on for conv models on CUDA)"
+    )
+    resident: Union[Auto, bool] = Field(
+        "auto", description="keep the dataset on the device when it fits"
+    )
+    resident_max_gb: float = Field(
+        2.0, gt=0, description="largest dataset (GiB) copied onto the device"
+    )
+    log_every: int = Field(
+        0, ge=0, description="steps between progress reads of the loss (0: once per epoch)"
+    )
+    canary: Literal["on", "warn", "off"] = Field(
+        "on",
+        description="start-up check of known-fragile ops on the device against the CPU: "
+        "on (stop on a mismatch), warn (warn and go on), off",
+    )
+
+    # Benchmarks (`mpsrun bench`): one child run per combination and repeat.
+    matrix: dict[MatrixKey, Annotated[list[Any], Field(min_length=1)]] = Field(
+        default_factory=dict,
+        description="dotted recipe path -> values to try (device, batch_size, model.arch, ...); "
+        "`include`/`exclude`: lists of {path: value} as in GitHub Actions matrices",
+    )
+    repeats: int = Field(1, ge=1, description="runs of each matrix cell; the table reports medians and spread")
+
+    @field_validator("device_fallback", mode="before")
+    @classmethod
+    def _fallback_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("device_fallback")
+    @classmethod
+    def _fallback_names(cls, v: list[str]) -> list[str]:
+        for d in v:
+            if not re.match(DEVICE_PATTERN, d):
+                raise ValueError(f"'{d}' is not a device (expected auto, cpu, mps, cuda or cuda:N)")
+        return v
+
+
+SPECIAL = ("include", "exclude")
+_NOT_AXES = ("matrix", "repeats")
+
+
+def key_problem(key: str) -> str | None:
+    """Why `key` is not a recipe path a matrix may vary, or None when it is one."""
+    if key in SPECIAL:
+        return None
+    parts = key.split(".")
+    if any(not p for p in parts):
+        return "not a dotted recipe path such as optimizer.lr"
+    top = parts[0]
+    fields = [f for f in Recipe.model_fields if f not in _NOT_AXES]
+    if top in _NOT_AXES:
+        return f"'{top}' cannot vary inside a matrix"
+    if top not in Recipe.model_fields:
+        return f"unknown recipe path{did_you_mean(top, fields + list(SPECIAL))}"
+    ann = Recipe.model_fields[top].annotation
+    if ann is TrackingSection:
+        return "tracking settings cannot vary: every cell is a child run of one parent, in one experiment"
+    if len(parts) == 1 or ann is PluginSection:
+        return None  # plugin arguments are checked against the plugin's signature, per cell
+    if ann is LoaderSection:
+        sub = list(LoaderSection.model_fields)
+        if parts[1] not in sub:
+            return f"unknown recipe path{did_you_mean(parts[1], sub)}; loader keys: {', '.join(sub)}"
+        return None if len(parts) == 2 else f"'{top}.{parts[1]}' is a value, not a section"
+    return f"'{top}' is a value, not a section"

@@ -1,0 +1,1 @@
+"""The tracking wing: everything MLflow (store, run lifecycle, buffered metrics, artifacts)."""

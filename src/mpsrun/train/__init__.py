@@ -1,0 +1,1 @@
+"""The training wing: runner (recipe -> finished run), engine (the loop), data, progress."""
