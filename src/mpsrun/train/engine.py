@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpsrun.devices import resolve as devices
+from mpsrun.train.callbacks import Callback, RunState
 from mpsrun.train.data import BatchPlan, ResidentBatches
 
 GRAPH_STEPS = 16  # training steps per CUDA graph replay
@@ -76,6 +77,7 @@ class EpochMetrics:
 @dataclass
 class TrainResult:
     epochs: list[EpochMetrics]
+    stop_reason: str | None = None  # set when a callback ended the run early (e.g. early stopping)
 
     @property
     def first_epoch_time_s(self) -> float:
@@ -350,22 +352,34 @@ def train(
     epochs: int,
     options: Options,
     listener: Listener,
+    callbacks: Callback | None = None,
+    state: RunState | None = None,
+    start_epoch: int = 0,
 ) -> TrainResult:
-    """Train for `epochs`, validating after each; returns every epoch's measured figures."""
+    """Train epochs `start_epoch`..`epochs - 1`, validating after each; returns every epoch's measured figures.
+
+    Callbacks run between epochs (after the listener has the epoch's metrics) and
+    may end the run early through `state.request_stop`.
+    """
     trainer: Trainer = (GraphTrainer if options.graphs else Trainer)(model, optimizer, device, options, plan.transform)
     listener.on_start(epochs, len(plan.train), len(plan.val))
+    callbacks = callbacks or Callback()
+    state = state or RunState(model, optimizer, device, epochs)
     n_train = plan.train.samples
     n_val = plan.val.samples
     results: list[EpochMetrics] = []
     devices.reset_peak_memory(device)
     peak = 0
-    for epoch in range(epochs):
+    callbacks.on_fit_start(state)
+    for epoch in range(start_epoch, epochs):
+        state.epoch = epoch
+        callbacks.on_epoch_start(state, epoch)
         trainer.loss_sum.zero_()
         devices.synchronize(device)
         t0 = time.perf_counter()
-        if epoch == 0 and options.compile:
+        if epoch == start_epoch and options.compile:
             _compile_or_eager(trainer, plan, listener)  # compilation counts as warm-up
-        if epoch == 0 and isinstance(trainer, GraphTrainer):
+        if epoch == start_epoch and isinstance(trainer, GraphTrainer):
             trainer = _capture_or_eager(trainer, plan, listener)  # capture counts as warm-up
         trainer.train_epoch(plan, epoch, listener)
         devices.synchronize(device)
@@ -393,7 +407,12 @@ def train(
         )
         results.append(m)
         listener.on_epoch_end(m)
-    return TrainResult(results)
+        state.history.append(m.metrics())
+        callbacks.on_epoch_end(state, epoch, m.metrics())
+        if state.should_stop:
+            break
+    callbacks.on_fit_end(state)
+    return TrainResult(results, state.stop_reason)
 
 
 def _capture_or_eager(trainer: "GraphTrainer", plan: BatchPlan, listener: Listener) -> Trainer:

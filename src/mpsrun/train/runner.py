@@ -23,6 +23,7 @@ from mpsrun.plugins.contract import DataSplits
 from mpsrun.recipe.load import Resolved, flatten
 from mpsrun.recipe.model import Recipe
 from mpsrun.track import store as tracking
+from mpsrun.train.callbacks import Callback, Callbacks, RunState
 from mpsrun.train.data import BatchPlan, plan_batches
 from mpsrun.train.engine import Listener, Listeners, Options, TrainResult, train
 
@@ -51,6 +52,7 @@ class Setup:
     plan: BatchPlan
     options: Options
     notes: list[str] = field(default_factory=list)
+    callbacks: list[Callback] = field(default_factory=list)  # called between epochs, in this order
 
 
 @dataclass
@@ -258,6 +260,7 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
         listeners.on_note(note)
     try:
         canary.guard(setup, tracker.set_tags, listeners.on_note)  # wrong-answer ops stop the run here
+        state = RunState(setup.model, setup.optimizer, setup.choice.device, recipe.epochs, log=tracker)
         result = train(
             setup.model,
             setup.optimizer,
@@ -266,6 +269,8 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
             recipe.epochs,
             setup.options,
             listeners,
+            callbacks=Callbacks(*setup.callbacks),
+            state=state,
         )
         tracker.log_metrics(result.summary())
         errors = tracker.flush()
