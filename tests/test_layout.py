@@ -19,7 +19,7 @@ MAX_LINES = 500
 
 # A wing may import the wings below it (and itself), never one above.
 ALLOWED = {
-    "cli": {"bench", "train", "devices", "plugins", "recipe", "track", "top"},
+    "cli": {"cli", "bench", "train", "devices", "plugins", "recipe", "track", "top"},
     "bench": {"bench", "train", "devices", "plugins", "recipe", "track", "top"},
     "train": {"train", "devices", "plugins", "recipe", "track", "top"},
     "devices": {"devices", "train", "plugins", "recipe", "track", "top"},  # parity drives a training replica

@@ -1,0 +1,71 @@
+"""What every command shares: the Typer app, the consoles, exit codes, recipe loading with exit-2 errors.
+
+Exit codes: 0 done, 2 bad input (recipe, override, CLI, unusable device, missing
+data, unreachable server), 1 failure while running, 130 interrupted (SIGINT),
+143 terminated (SIGTERM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="mpsrun",
+    help="Train what a YAML recipe declares on MPS, CUDA or CPU, with honest timings, tracked in MLflow.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err = Console(stderr=True)
+
+EXIT_OK, EXIT_FAIL, EXIT_INPUT, EXIT_INTERRUPT, EXIT_TERM = 0, 1, 2, 130, 143
+
+RecipeArg = typer.Argument(..., help="Path to a YAML recipe.", show_default=False)
+OverridesArg = typer.Argument(None, help="Overrides as dotted key=value, e.g. epochs=1 optimizer.lr=0.01.", show_default=False)
+
+
+def bad_input(message: str) -> typer.Exit:
+    err.print(f"[red]error:[/] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(EXIT_INPUT)
+
+
+@contextlib.contextmanager
+def recipe_errors() -> Iterator[None]:
+    """Every recipe problem listed at once on stderr, exit code 2, no traceback."""
+    from mpsrun.recipe import RecipeError
+
+    try:
+        yield
+    except RecipeError as e:
+        err.print(e.render(), highlight=False, soft_wrap=True, markup=False)
+        raise typer.Exit(EXIT_INPUT) from None
+
+
+def resolve_recipe(recipe: Path, overrides: list[str] | None):  # type: ignore[no-untyped-def]
+    from mpsrun.plugins import resolve
+
+    with recipe_errors():
+        return resolve(recipe, overrides or [])
+
+
+def cells(resolved):  # type: ignore[no-untyped-def]
+    """Every matrix cell, validated; exit 2 listing each bad value at its matrix entry."""
+    from mpsrun.recipe.matrix import expand
+
+    if not resolved.recipe.matrix:
+        return []
+    with recipe_errors():
+        return expand(resolved)
+
+
+def one_cell(resolved):  # type: ignore[no-untyped-def]
+    from mpsrun.recipe.matrix import single
+
+    with recipe_errors():
+        return single(resolved)

@@ -1,0 +1,92 @@
+"""`run`, `validate`, `schema`: a recipe from file to finished run, or checked and printed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from mpsrun.cli.common import (
+    EXIT_FAIL,
+    EXIT_INTERRUPT,
+    OverridesArg,
+    RecipeArg,
+    app,
+    bad_input,
+    cells,
+    console,
+    err,
+    one_cell,
+    resolve_recipe,
+)
+
+@app.command()
+def run(
+    recipe: Path = RecipeArg,
+    overrides: Optional[List[str]] = OverridesArg,
+    tracking_uri: Optional[str] = typer.Option(
+        None, "--tracking-uri", help="MLflow tracking URI; default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlruns/mlflow.db."
+    ),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="One line per epoch instead of progress bars."),
+) -> None:
+    """Train a recipe and record metrics, timings and device facts in MLflow."""
+    resolved = one_cell(resolve_recipe(recipe, overrides))  # a matrix pinned to one cell runs; more: use bench
+    from mpsrun.train import runner
+    from mpsrun.train.progress import BarProgress, QuietProgress
+
+    try:
+        setup = runner.prepare(resolved)
+    except runner.InputError as e:
+        raise bad_input(str(e)) from None
+    r = setup.resolved.recipe
+    console.print(
+        f"[bold]mpsrun[/] {recipe}  model={r.model.name} dataset={r.dataset.name} "
+        f"device={setup.choice.device} (requested {r.device})  epochs={r.epochs} batch={r.batch_size}  "
+        f"data={'resident' if setup.plan.resident else 'dataloader'}  precision={setup.options.precision} "
+        f"graphs={'on' if setup.options.graphs else 'off'}",
+        highlight=False,
+    )
+    progress = QuietProgress(console) if quiet or not console.is_terminal else BarProgress(console)
+    try:
+        summary = runner.execute(setup, tracking_uri, progress)
+    except KeyboardInterrupt:
+        if isinstance(progress, BarProgress):
+            progress.stop()
+        err.print("[yellow]interrupted:[/] the MLflow run is marked KILLED")
+        raise typer.Exit(EXIT_INTERRUPT) from None
+    except runner.RunFailed as e:
+        if isinstance(progress, BarProgress):
+            progress.stop()
+        err.print(f"[red]failed:[/] {e} (MLflow run {e.run_id} marked FAILED, traceback in its error.txt)", highlight=False)
+        raise typer.Exit(EXIT_FAIL) from None
+    res = summary.result
+    s = res.summary()
+    console.print(
+        f"done: val_acc {s['final_val_accuracy']:.4f}  first epoch {s['first_epoch_time_s']:.3f} s  "
+        f"steady epoch {s['steady_epoch_time_s']:.3f} s (median of {max(len(res.epochs) - 1, 1)})  "
+        f"total {s['total_train_time_s']:.2f} s  peak memory {s['peak_memory_bytes'] / 2**20:.0f} MiB",
+        highlight=False,
+    )
+    console.print(f"MLflow: {summary.run.ui_hint()}  (browse: mpsrun ui)", highlight=False)
+
+
+@app.command()
+def validate(recipe: Path = RecipeArg, overrides: Optional[List[str]] = OverridesArg) -> None:
+    """Check a recipe (and overrides) and print it resolved, or every problem found."""
+    resolved = resolve_recipe(recipe, overrides)
+    matrix_cells = cells(resolved)
+    console.print(f"# {recipe}: valid", highlight=False)
+    console.print(resolved.as_yaml(), highlight=False, markup=False)
+    if matrix_cells:
+        console.print(f"# matrix: {len(matrix_cells)} cells x {resolved.recipe.repeats} repeats, each valid (run them: mpsrun bench {recipe})", highlight=False)
+        for c in matrix_cells:
+            console.print(f"#   {c.index + 1}: {c.label}", highlight=False, markup=False)
+
+
+@app.command()
+def schema() -> None:
+    """Print the recipe JSON Schema, for editors: mpsrun schema > recipe.schema.json."""
+    from mpsrun.recipe.schema import render
+
+    print(render(), end="")
