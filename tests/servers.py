@@ -128,13 +128,16 @@ def _tail(log: Path | None, n: int = 4000) -> str:
     return log.read_text(errors="replace")[-n:]
 
 
-def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
-    """Stop a process we started, and its children (it leads its own session)."""
+def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 5.0) -> None:
+    """Stop a process we started, and its children (it leads its own session).
+
+    Throwaway servers: after a short grace the whole group is killed; nothing is kept.
+    """
     if proc.poll() is not None:
         return
     try:
         os.killpg(proc.pid, sig)
-        proc.wait(timeout=15)
+        proc.wait(timeout=grace_s)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         try:
             os.killpg(proc.pid, signal.SIGKILL)

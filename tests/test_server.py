@@ -137,7 +137,7 @@ def test_killed_run_resumes_from_another_folder_through_the_server(stack, tmp_pa
     first, second = tmp_path / "laptop", tmp_path / "another"
     first.mkdir()
     second.mkdir()
-    epochs = 40
+    epochs = 12
     log = first / "run.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
