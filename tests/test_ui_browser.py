@@ -142,16 +142,24 @@ def browser():
         b.close()
 
 
-@pytest.fixture
-def page(browser, ui_run: UiRun, tmp_path: Path):
-    """The run's overview page, loaded; a screenshot of it at the end, whatever happened."""
+@pytest.fixture(scope="module")
+def run_page(browser, ui_run: UiRun):
+    """The run's page, loaded once (a load is seconds of the server's time); tests move between its tabs."""
     pg = browser.new_page(viewport={"width": 1400, "height": 1000})
     pg.set_default_timeout(PAGE_TIMEOUT_MS)
     pg.goto(ui_run.page_url)
-    pg.get_by_text(re.compile(r"^Parameters \(\d+\)$")).first.wait_for()
     yield pg
-    pg.screenshot(path=str(tmp_path / "last.png"), full_page=True)
     pg.close()
+
+
+@pytest.fixture
+def page(run_page, ui_run: UiRun, tmp_path: Path):
+    """The run page on its Overview tab; a screenshot of wherever the test left it, whatever happened."""
+    if run_page.url != ui_run.page_url:
+        run_page.goto(ui_run.page_url)  # another tab of the same page: the app routes, nothing reloads
+    run_page.get_by_text(re.compile(r"^Parameters \(\d+\)$")).first.wait_for()
+    yield run_page
+    run_page.screenshot(path=str(tmp_path / "last.png"), full_page=True)
 
 
 def test_run_page_shows_the_parameters(page, ui_run: UiRun, tmp_path: Path) -> None:
