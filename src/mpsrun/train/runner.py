@@ -23,7 +23,8 @@ from mpsrun.plugins.contract import DataSplits
 from mpsrun.recipe.load import Resolved, flatten
 from mpsrun.recipe.model import Recipe
 from mpsrun.track import store as tracking
-from mpsrun.train.callbacks import Callback, Callbacks, RunState
+from mpsrun.train.callbacks import Callback, Callbacks, RunState  # noqa: F401 - Callbacks: public here
+from mpsrun.train.continuity import Continuity, ResumePoint
 from mpsrun.train.data import BatchPlan, plan_batches
 from mpsrun.train.engine import Listener, Listeners, Options, TrainResult, train
 
@@ -236,15 +237,19 @@ def _version() -> str:
     return __version__
 
 
-def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = None, parent_run_id: str | None = None, tags: dict[str, str] | None = None) -> RunSummary:
-    """Start the MLflow run, train, and record the outcome, whatever it is."""
+def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = None, parent_run_id: str | None = None, tags: dict[str, str] | None = None, resume: ResumePoint | None = None, experiment: str | None = None) -> RunSummary:
+    """Start the MLflow run (or continue one: `resume`), train, and record the outcome, whatever it is."""
     r = setup.resolved
     recipe = r.recipe
     uri, artifact_root = tracking.resolve_uri(tracking_uri)
-    experiment = recipe.tracking.experiment or r.path.stem
+    experiment = experiment or recipe.tracking.experiment or r.path.stem
     tracker = tracking.Tracker(uri, experiment, artifact_root)
-    info = tracker.start(recipe.tracking.run_name, {**run_tags(setup), **(tags or {})}, parent_run_id)
-    tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": setup.plan.train.samples, "data.val_size": setup.plan.val.samples})
+    all_tags = {**run_tags(setup), **(tags or {})}
+    if resume is None:
+        info = tracker.start(recipe.tracking.run_name, all_tags, parent_run_id)
+        tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": setup.plan.train.samples, "data.val_size": setup.plan.val.samples})
+    else:  # the same run goes on; its params stay as first logged (MLflow params are immutable)
+        info = tracker.attach(resume.run_id)
     tracker.log_text(r.as_yaml(), "recipe.yaml")
     if setup.splits.info:  # e.g. tabular's category vocabularies: needed to use the weights later
         import json
@@ -253,14 +258,16 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
 
     class _Log(Listener):
         def on_epoch_end(self, m):  # type: ignore[no-untyped-def]
-            tracker.log_metrics(m.metrics(), step=m.epoch)
+            tracker.log_metrics({**m.metrics(), "mpsrun/epochs_done": m.epoch + 1}, step=m.epoch)
 
     listeners = Listeners(listener, _Log())
     for note in setup.notes + setup.options.notes:
         listeners.on_note(note)
+    keep = Continuity(setup, tracker, all_tags, listeners.on_note, resume)  # liveness, non-finite guard, checkpoints
+    listeners.items.append(keep.guard.listener)
+    state = RunState(setup.model, setup.optimizer, setup.choice.device, recipe.epochs, log=tracker)
     try:
         canary.guard(setup, tracker.set_tags, listeners.on_note)  # wrong-answer ops stop the run here
-        state = RunState(setup.model, setup.optimizer, setup.choice.device, recipe.epochs, log=tracker)
         result = train(
             setup.model,
             setup.optimizer,
@@ -269,9 +276,11 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
             recipe.epochs,
             setup.options,
             listeners,
-            callbacks=Callbacks(*setup.callbacks),
+            callbacks=keep.callbacks(setup.callbacks),
             state=state,
+            start_epoch=keep.start_epoch,
         )
+        keep.after_fit(state, setup.model)  # model_from: best puts the best weights back before they are logged
         tracker.log_metrics(result.summary())
         errors = tracker.flush()
         tracker.log_metrics(
@@ -288,12 +297,16 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
             tracker.log_state_dict(_unwrap(setup.model).state_dict())
         else:
             tracker.set_tags({"mpsrun.model_artifact": "skipped (tracking.log_model: false)"})
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        keep.interrupted(e, state.epoch)
+        keep.close()
         tracker.finish("KILLED")
         raise
     except Exception as e:
+        keep.close()
         tracker.finish("FAILED", e)
         raise RunFailed(f"{type(e).__name__}: {e}", info.run_id) from e
+    keep.close()
     tracker.finish("FINISHED")
     return RunSummary(info, result, setup, tracker.log_time_s)
 
