@@ -133,10 +133,12 @@ def test_checkpoint_contents_best_apart_from_last_and_model_from_best(work: Any)
     assert run.data.metrics["mpsrun/checkpoint_total_time_s"] > 0
     assert [s for s, _ in work.history(run.info.run_id, "mpsrun/checkpoint_time_s")] == [0, 1, 2]
 
-    r = work.cli("run", "q.yaml", "model_from=last", "checkpoint.mode=max", "-q")
+    r = work.cli("run", "q.yaml", "model_from=last", "checkpoint.keep=2", "-q")
     assert r.exit_code == 0, r.output
     run2 = work.runs("quick")[-1]
     assert run2.data.tags["mpsrun.model_from"] == "last: epoch 2"
+    art2 = Path(run2.info.artifact_uri.removeprefix("file://")) / "checkpoints"
+    assert sorted(p.name for p in art2.iterdir()) == ["best.pt", "epoch-0001.pt", "epoch-0002.pt", "last.pt"]
 
 
 def test_checkpoint_every_zero_is_off_and_resume_refuses(work: Any) -> None:
@@ -151,7 +153,7 @@ def test_checkpoint_every_zero_is_off_and_resume_refuses(work: Any) -> None:
     assert "no checkpoint" in r.stderr
 
 
-def test_resume_refusals(work: Any) -> None:
+def test_resume_refusals(work: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     work.write("q.yaml", DIGITS)
     r = work.cli("resume", "0123456789abcdef")
     assert r.exit_code == 2 and "no run '0123456789abcdef'" in r.stderr and work.uri in r.stderr.replace("\n", "")
@@ -171,9 +173,13 @@ def test_resume_refusals(work: Any) -> None:
     r = work.cli("resume", alive.info.run_id)
     assert r.exit_code == 2 and "still running" in r.stderr
 
-    # extending a finished run: epochs=N continues the same run at the next step
-    r = work.cli("resume", run.info.run_id, "epochs=4", "-q")
+    # extending a finished run: epochs=N continues the same run at the next step, from any folder
+    elsewhere = work.path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    r = work.cli("resume", run.info.run_id, "epochs=4", "-q", "--tracking-uri", work.uri)
     assert r.exit_code == 0, r.output
+    assert not (elsewhere / "mlruns").exists()
     assert [s for s, _ in work.history(run.info.run_id, "val_loss")] == [0, 1, 2, 3]
     assert work.client().get_run(run.info.run_id).data.tags["mpsrun.epochs_planned"] == "4"
 
