@@ -8,6 +8,7 @@ per-epoch val_loss of a run that was never interrupted.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -228,7 +229,30 @@ def test_non_finite_loss(work: Any, mode: str) -> None:
         assert "non-finite loss" in run.data.tags["mpsrun.error"]
         assert "non-finite loss at epoch 1" in r.stderr.replace("\n", " ")
         assert "mpsrun.checkpoint.epoch" not in run.data.tags  # the poisoned epoch was never saved
+        assert work.cli("resume", run.info.run_id).exit_code == 2  # ... so nothing to resume from
     else:
         assert r.exit_code == 0, r.output
         assert run.info.status == "FINISHED"
         assert "warned" in tag
+
+
+def test_resume_a_diverged_run_with_another_learning_rate(work: Any) -> None:
+    """The last good checkpoint stays; `resume ID optimizer.lr=...` continues from it with the new rate."""
+    work.write("q.yaml", DIGITS)
+    # one sane epoch, then extended with a rate that diverges at once
+    assert work.cli("run", "q.yaml", "epochs=1", "-q").exit_code == 0
+    (run,) = work.runs("quick")
+    rid = run.info.run_id
+    r = work.cli("resume", rid, "epochs=3", "optimizer.lr=1e9", "-q")
+    assert r.exit_code == 1, r.output
+    failed = work.client().get_run(rid)
+    assert failed.info.status == "FAILED" and "epoch 2" in failed.data.tags["mpsrun.nonfinite"]
+    assert failed.data.tags["mpsrun.checkpoint.epoch"] == "0"  # the last good one
+    r = work.cli("resume", rid, "epochs=3", "optimizer.lr=0.05", "-q")
+    assert r.exit_code == 0, r.output
+    assert work.client().get_run(rid).info.status == "FINISHED"
+    hist = work.history(rid, "val_loss")
+    # step 1 holds the diverged attempt (nan, kept as evidence) and the retry; the retry is finite
+    assert sorted(s for s, _ in hist) == [0, 1, 1, 2]
+    assert sum(1 for s, v in hist if s == 1 and math.isfinite(v)) == 1
+    assert all(math.isfinite(v) for s, v in hist if s == 2)

@@ -136,6 +136,7 @@ class Checkpointer(Callback):
     restore: dict[str, Any] | None = None  # a loaded checkpoint to continue from
     best_file: Path | None = None  # the best checkpoint of a resumed run, when it was not this session's
     siblings: Callable[[], Callback] | None = None  # the Callbacks holding every callback's state
+    hyper: dict[str, Any] = field(default_factory=dict)  # optimizer settings overridden on resume: win over the saved ones
     directory: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mpsrun-ckpt-")))
     best: float | None = None
     best_epoch: int | None = None
@@ -217,6 +218,11 @@ class Checkpointer(Callback):
     def _apply(self, run: RunState, ck: dict[str, Any]) -> None:
         unwrap(run.model).load_state_dict(ck["model"])
         run.optimizer.load_state_dict(ck["optimizer"])
+        for key, value in self.hyper.items():  # `mpsrun resume ID optimizer.lr=0.01`: the new value, not the saved one
+            for group in run.optimizer.param_groups:
+                if key in group:
+                    group[key] = value
+            self.note(f"resume: optimizer.{key} = {value} replaces the checkpoint's value")
         for name, saved in ck.get("extras", {}).items():
             obj = run.extras.get(name)
             if obj is not None and callable(getattr(obj, "load_state_dict", None)):

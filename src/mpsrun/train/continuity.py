@@ -57,6 +57,7 @@ class Continuity:
             meta=self.meta,
             restore=resume.checkpoint if resume else None,
             best_file=resume.best_file if resume else None,
+            hyper=self._hyper(resume),
         )
         start = {**liveness.identity(), PLANNED: str(recipe.epochs), "mpsrun.recipe_dir": str(setup.resolved.path.resolve().parent)}
         if recipe.checkpoint.every == 0:
@@ -65,6 +66,13 @@ class Continuity:
             start.update(self._resume_tags(resume))
         tracker.set_tags(start)
         self.heartbeat = liveness.Heartbeat(tracker.c, tracker.run_id).start()
+
+    def _hyper(self, resume: ResumePoint | None) -> dict[str, Any]:
+        """Optimizer arguments given as overrides to `mpsrun resume`, with their validated values."""
+        if resume is None:
+            return {}
+        keys = {o.split("=", 1)[0].removeprefix("optimizer.") for o in resume.overrides if o.startswith("optimizer.")}
+        return {k: v for k, v in self.recipe.optimizer.kwargs.items() if k in keys and k != "name"}
 
     def _resume_tags(self, resume: ResumePoint) -> dict[str, str]:
         n = int(self.tracker.c.get_run(resume.run_id).data.tags.get("mpsrun.resumed", "0")) + 1
