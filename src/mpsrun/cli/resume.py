@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from typing import List, Optional
 
@@ -65,6 +66,8 @@ def resume(
             progress.stop()
         err.print(f"[red]failed:[/] {e} (MLflow run {e.run_id} marked FAILED, traceback in its error.txt)", highlight=False)
         raise typer.Exit(EXIT_FAIL) from None
+    finally:
+        shutil.rmtree(p.workdir, ignore_errors=True)
     s = summary.result.summary()
     console.print(f"done: val_acc {s['final_val_accuracy']:.4f}  val_loss {s['final_val_loss']:.4f}", highlight=False)
     console.print(f"MLflow: {summary.run.ui_hint()}  (browse: mpsrun ui)", highlight=False)

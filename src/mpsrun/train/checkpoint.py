@@ -295,11 +295,14 @@ class Checkpointer(Callback):
             self._queue.join()
 
     def close(self) -> None:
+        """Stop the writer and delete the local copies (the run's artifacts hold the checkpoints)."""
         self.wait()
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+        if self.upload is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
     # -- the end of fit
     def best_weights(self) -> dict[str, Any] | None:

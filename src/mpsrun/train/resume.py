@@ -29,6 +29,7 @@ class Plan:
     point: ResumePoint
     experiment: str
     status: str  # the run's status before resuming (INTERRUPTED for a RUNNING run whose process is gone)
+    workdir: Path  # the downloaded files; the caller removes it when the run ends
 
 
 def plan(uri: str, run_id: str, overrides: list[str]) -> Plan:
@@ -77,7 +78,7 @@ def plan(uri: str, run_id: str, overrides: list[str]) -> Plan:
         raise ResumeRefused(f"run {run_id} is FINISHED; pass epochs=N with N > {done} to train more")
     best = files.download("checkpoints/best.pt", work)
     exp = files.c.get_experiment(run.info.experiment_id).name
-    return Plan(resolved, ResumePoint(run_id, state, best, list(overrides)), exp, status)
+    return Plan(resolved, ResumePoint(run_id, state, best, list(overrides)), exp, status, work)
 
 
 def _place(resolved: Resolved, tags: dict[str, str]) -> None:
