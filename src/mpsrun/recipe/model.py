@@ -35,7 +35,9 @@ class TrackingSection(BaseModel):
     experiment: str | None = None
     run_name: str | None = None
     tags: dict[str, str] = Field(default_factory=dict)
-    log_model: bool = Field(True, description="save the final weights as the run's model.pt artifact")
+    log_model: bool = Field(True, description="log the trained model with mlflow.pytorch (artifact `model`: signature, input example, requirements)")
+    register: str | None = Field(None, description="register the logged model as a new version of this registered model")
+    system_metrics: bool = Field(True, description="sample CPU, memory, disk, network and GPU (NVIDIA, MPS) as system/... metrics")
 
     @field_validator("tags", mode="before")
     @classmethod
