@@ -8,6 +8,7 @@ the models without either importing the other.
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
@@ -28,6 +29,11 @@ class PluginSection(BaseModel):
     @property
     def kwargs(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
+
+
+# `tracking.register` is the user-facing key; pydantic warns that it shadows ABCMeta's
+# `register` classmethod on instances, which nothing here uses.
+warnings.filterwarnings("ignore", message='Field name "register"', category=UserWarning)
 
 
 class TrackingSection(BaseModel):

@@ -146,7 +146,8 @@ def log_learning_curves(c: Any, run_id: str, history: Sequence[dict[str, float]]
 
 
 def log_predictions(
-    c: Any, run_id: str, y_true: np.ndarray, outputs: np.ndarray, title: str, classes: Sequence[str] | None = None
+    c: Any, run_id: str, y_true: np.ndarray, outputs: np.ndarray, title: str, classes: Sequence[str] | None = None,
+    split: str = "validation",
 ) -> list[str]:
     """Figures (and a table) from the model's validation outputs; the task is read from the data.
 
@@ -161,14 +162,14 @@ def log_predictions(
         names = [str(c_) for c_ in (classes or range(n))]
         m = confusion(y_true, outputs.argmax(axis=1), n)
         acc = float(np.trace(m) / max(m.sum(), 1))
-        c.log_figure(run_id, confusion_figure(m, names, f"{title}: confusion matrix (validation, accuracy {acc:.4f})"), "figures/confusion_matrix.png")
+        c.log_figure(run_id, confusion_figure(m, names, f"{title}: confusion matrix ({split}, accuracy {acc:.4f})"), "figures/confusion_matrix.png")
         table = per_class(m, names)
         c.log_table(run_id, data=table, artifact_file="tables/per_class_accuracy.json")
-        c.log_figure(run_id, per_class_figure(table, f"{title}: accuracy per class (validation)"), "figures/per_class_accuracy.png")
+        c.log_figure(run_id, per_class_figure(table, f"{title}: accuracy per class ({split})"), "figures/per_class_accuracy.png")
         logged += ["figures/confusion_matrix.png", "figures/per_class_accuracy.png", "tables/per_class_accuracy.json"]
     else:
         pred = outputs.reshape(len(y_true), -1)
         if pred.shape[1] == 1:
-            c.log_figure(run_id, scatter_figure(y_true.astype(np.float64), pred[:, 0].astype(np.float64), f"{title}: predicted vs true (validation)"), "figures/predicted_vs_true.png")
+            c.log_figure(run_id, scatter_figure(y_true.astype(np.float64), pred[:, 0].astype(np.float64), f"{title}: predicted vs true ({split})"), "figures/predicted_vs_true.png")
             logged.append("figures/predicted_vs_true.png")
     return logged

@@ -1,6 +1,12 @@
 """Log the trained model the MLflow way: a LoggedModel a fresh process can load.
 
 `mlflow.pytorch.log_model(name="model")` (MLflow 3) with:
+- MLflow's `pt2` format (torch.export): a traced graph with the weights, no pickle,
+  so `mlflow.pytorch.load_model` and `mlflow.pyfunc.load_model` work in a process
+  that never imports mpsrun or the plugin (MLflow 3.17 refuses to unpickle models
+  unless told to). A model torch.export cannot trace falls back to pickle, said
+  and tagged; the logged module is then the plain one (`served.unwrap`), never a
+  compiled or DDP wrapper, and plugin classes load by their module path;
 - a signature and an input example taken from the validation data (raw, as the
   dataset yields it: the logged module carries the input transform, see `served`);
 - explicit pip requirements (torch, mlflow, and the distributions that shipped
@@ -111,21 +117,34 @@ def log_model(
     x_np = x.numpy()
     signature = infer_signature(x_np, y.numpy())
     meta = {**metadata, "data_info": info}
+    notes: list[str] = []
     with tempfile.TemporaryDirectory() as d:
         info_file = Path(d) / "data_info.json"
         info_file.write_text(json.dumps(info, indent=2, default=str))
-        logged = mlflow.pytorch.log_model(
-            served,
-            name=ARTIFACT,
-            run_id=run_id,
-            signature=signature,
-            input_example=x_np,
-            pip_requirements=requirements(distributions),
-            extra_files=[str(info_file)],
-            metadata=json.loads(json.dumps(meta, default=str)),
-            registered_model_name=register,
-            step=step,
-        )
+
+        def _log(fmt: str) -> Any:
+            return mlflow.pytorch.log_model(
+                served,
+                name=ARTIFACT,
+                run_id=run_id,
+                signature=signature,
+                input_example=x_np,
+                pip_requirements=requirements(distributions),
+                extra_files=[str(info_file)],
+                metadata=json.loads(json.dumps({**meta, "serialization": fmt}, default=str)),
+                registered_model_name=register,
+                step=step,
+                serialization_format=fmt,
+            )
+
+        try:
+            logged = _log("pt2")
+        except Exception as e:  # a model torch.export cannot trace (data-dependent control flow, ...)
+            notes.append(
+                f"model: torch.export failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                "logged with pickle instead: loading it needs the plugin's package and MLFLOW_ALLOW_PICKLE_DESERIALIZATION=true"
+            )
+            logged = _log("pickle")
     registered = None
     if register and getattr(logged, "registered_model_version", None) is not None:
         registered = f"models:/{register}/{logged.registered_model_version}"
@@ -134,4 +153,5 @@ def log_model(
         model_id=getattr(logged, "model_id", None),
         seconds=time.perf_counter() - t0,
         registered=registered,
+        notes=notes,
     )

@@ -215,6 +215,7 @@ def end(rec: Recorder, result: "TrainResult") -> None:
         step=result.epochs[-1].epoch if result.epochs else 0,
     )
     rec.timings["log_model_time_s"] = rec.model.seconds
+    rec.notes += rec.model.notes
     tags = {"mpsrun.model_uri": rec.model.model_uri}
     if rec.model.model_id:
         tags["mpsrun.model_id"] = rec.model.model_id
