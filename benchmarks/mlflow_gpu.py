@@ -11,6 +11,7 @@ JSON) to $OUT; exit 1 when GPU metrics are missing or a step failed.
 
     OUT=/tmp/out python benchmarks/mlflow_gpu.py            # synthetic FashionMNIST-format data, offline
     OUT=/tmp/out python benchmarks/mlflow_gpu.py --root /data/datasets --epochs 10
+    OUT=/tmp/out python benchmarks/mlflow_gpu.py --device cpu --epochs 1 --repeats 1 --n-train 2000   # smoke run, no GPU
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def main() -> int:
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--n-train", type=int, default=60000, help="synthetic training images (a quick smoke run: 2000)")
     a = ap.parse_args()
     out = Path(os.environ.get("OUT", "mlflow-gpu-out")).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -69,7 +71,7 @@ def main() -> int:
     root = a.root
     if root is None:
         root = str(work / "data")
-        subprocess.run([sys.executable, "-m", "mpsrun.testing.idx", root, "--name", "FashionMNIST"], check=True, capture_output=True)
+        subprocess.run([sys.executable, "-m", "mpsrun.testing.idx", root, "--name", "FashionMNIST", "--n-train", str(a.n_train)], check=True, capture_output=True)
     base = [sys.executable, "-m", "mpsrun", "run", str(RECIPE), f"device={a.device}", f"epochs={a.epochs}",
             f"dataset.root={root}", f"tracking.experiment={EXPERIMENT}", "-q"]
     rows, failures, logs = [], [], []
@@ -125,7 +127,7 @@ def main() -> int:
         f"- machine: {platform.node()}, {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA'}, "
         f"torch {torch.__version__}, python {platform.python_version()}",
         f"- recipe: `{RECIPE.name}` device={a.device} epochs={a.epochs}, data: {'synthetic IDX' if a.root is None else root}; {a.repeats} repeats, interleaved",
-        f"- command: `OUT={out} python benchmarks/mlflow_gpu.py --epochs {a.epochs} --repeats {a.repeats}`",
+        f"- command: `OUT={out} python benchmarks/mlflow_gpu.py {' '.join(sys.argv[1:])}`",
         "",
         "| mode | repeat | wall s (whole CLI) | steady epoch s | log_model s | figures s | datasets s | system samples | GPU metrics | max GPU util % |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",

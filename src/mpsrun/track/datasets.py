@@ -8,6 +8,7 @@ shape of inputs and targets) and its context: `training`, `validation`, `test`.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,9 @@ def _source(path: str | None, tags: dict[str, str]) -> Any:
         from mlflow.data.dataset_source_registry import resolve_dataset_source
 
         try:
-            return resolve_dataset_source(str(Path(path).resolve()))
+            with warnings.catch_warnings():  # "can be interpreted in multiple ways": a local path, either way
+                warnings.simplefilter("ignore", UserWarning)
+                return resolve_dataset_source(str(Path(path).resolve()))
         except Exception:  # no source type claims it: fall back to the code source below
             pass
     return CodeDatasetSource(tags=tags)
