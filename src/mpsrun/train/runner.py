@@ -23,6 +23,7 @@ from mpsrun.plugins.contract import DataSplits
 from mpsrun.recipe.load import Resolved, flatten
 from mpsrun.recipe.model import Recipe
 from mpsrun.track import store as tracking
+from mpsrun.train import distributed, shards
 from mpsrun.train.callbacks import Callback, Callbacks, RunState
 from mpsrun.train.data import BatchPlan, plan_batches
 from mpsrun.train.engine import Listener, Listeners, Options, TrainResult, train
@@ -167,6 +168,12 @@ def prepare(resolved: Resolved) -> Setup:
     except devices.DeviceUnavailable as e:
         raise InputError(str(e)) from None
     notes = [w for w in [choice.warning()] if w]
+    job = distributed.from_env()  # one of several ranks (mpsrun run --nproc, torchrun)
+    if job is not None:
+        try:
+            notes += distributed.join(job, choice, recipe.batch_size)
+        except ValueError as e:
+            raise InputError(str(e)) from None
     seed_everything(recipe.seed)
     splits = build_data(recipe, resolved)
     seed_everything(recipe.seed)  # the model's initial weights depend on the seed alone
@@ -186,12 +193,17 @@ def prepare(resolved: Resolved) -> Setup:
         persistent_workers=recipe.loader.persistent_workers,
         pin_memory=recipe.loader.pin_memory,
     )
+    plan, share_notes = shards.share(plan, recipe.batch_size, recipe.seed)
+    notes += share_notes
     options = resolve_options(recipe, device, model, plan)
+    distributed.adjust_options(options, recipe.graphs)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = options.cudnn_benchmark  # fixed shapes: time algorithms once
     model = model.to(device)
     if options.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    model = distributed.wrap(model, device)  # DDP when one of several ranks
+    shards.attach(model, plan)
     optimizer = build_optimizer(recipe, model, options.graphs)
     if options.compile:
         model = _compile(model, options)
@@ -242,10 +254,16 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
     recipe = r.recipe
     uri, artifact_root = tracking.resolve_uri(tracking_uri)
     experiment = recipe.tracking.experiment or r.path.stem
-    tracker = tracking.Tracker(uri, experiment, artifact_root)
-    info = tracker.start(recipe.tracking.run_name, {**run_tags(setup), **(tags or {})}, parent_run_id)
+    tracker = distributed.tracker(uri, experiment, artifact_root)  # rank 0 alone writes: one run per job
+    job_tags, rank_facts = distributed.job_tags(setup.choice.device, devices.choice_tags(setup.choice))
+    info = tracker.start(recipe.tracking.run_name, {**run_tags(setup), **job_tags, **(tags or {})}, parent_run_id)
+    distributed.publish_run_id(info.run_id)
     tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": setup.plan.train.samples, "data.val_size": setup.plan.val.samples})
     tracker.log_text(r.as_yaml(), "recipe.yaml")
+    if rank_facts:
+        import json
+
+        tracker.log_text(json.dumps(rank_facts, indent=2), "distributed_ranks.json")
     if setup.splits.info:  # e.g. tabular's category vocabularies: needed to use the weights later
         import json
 
@@ -292,6 +310,7 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
         tracker.finish("KILLED")
         raise
     except Exception as e:
+        e = distributed.on_failure(e, tracker)  # names the rank that brought a job down
         tracker.finish("FAILED", e)
         raise RunFailed(f"{type(e).__name__}: {e}", info.run_id) from e
     tracker.finish("FINISHED")
@@ -299,7 +318,7 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "_orig_mod", model)
+    return distributed.unwrap(model)  # torch.compile's and DDP's wrappers off
 
 
 def run(resolved: Resolved, tracking_uri: str | None = None, listener: Listener | None = None) -> RunSummary:
