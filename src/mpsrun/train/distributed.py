@@ -169,8 +169,10 @@ def adjust_options(options: Any, requested_graphs: Any) -> None:
 
 def on_failure(error: Exception, run: Any) -> Exception:
     """Every rank: leave its error in the store. Rank 0: the error naming the rank(s), and tags on the run."""
+    global _failing
     if _ctx is None:
         return error
+    _failing = True
     report_failure(error)
     if not _ctx.main:
         return error
@@ -204,7 +206,12 @@ def init(ctx: Context, device: torch.device) -> str:
     return backend
 
 
+_failing = False  # set once this rank is recording a failure: a second SIGTERM must not cut that short
+
+
 def _on_term(signum: int, frame: Any) -> None:
+    if _failing:
+        return  # the agent waits (then SIGKILLs); finish writing the FAILED run first
     raise PeerFailed(f"rank {rank()} was stopped by the launcher (SIGTERM)")
 
 

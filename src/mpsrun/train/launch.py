@@ -146,7 +146,11 @@ def _mark(tracking_uri: str | None, out: Outcome, status: str) -> None:
         c = tracking.client(uri)
         run = c.get_run(out.run_id)
         tags = {"distributed.launcher_outcome": out.message or status}
-        if out.failed_ranks:
+        named = run.data.tags.get("distributed.failed_ranks")
+        if named and named != "unknown":  # rank 0 read it from the job's store: the rank that failed first
+            out.failed_ranks = [int(x) for x in named.split(",")]
+            out.message = run.data.tags.get("mpsrun.error", out.message)
+        elif out.failed_ranks:
             tags["distributed.failed_ranks"] = ",".join(map(str, out.failed_ranks))
         if "mpsrun.error" not in run.data.tags and status == "FAILED":
             tags["mpsrun.error"] = out.message or "a rank failed"
