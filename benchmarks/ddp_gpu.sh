@@ -12,7 +12,7 @@
 #   source benchmarks/gpu_setup.sh && OUT=/tmp/ddp bash benchmarks/ddp_gpu.sh
 #   QUICK=1 DEVICE=cpu bash benchmarks/ddp_gpu.sh       # smoke test without GPUs (gloo, tiny)
 set -u
-DEVICE=${DEVICE:-cuda}
+DEVICE=${DEVICE:-cuda}; export DEVICE QUICK=${QUICK:-0}
 OUT=${OUT:-ddp-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 REPO=$(pwd); RECIPE=$REPO/recipes/vision_zoo_bench.yaml
 WORK=$(mktemp -d); cd "$WORK" || exit 1          # the MLflow store goes to $WORK/mlruns
@@ -63,7 +63,9 @@ for b in sys.argv[2].split():
               f"graphs={t.get('resolved.graphs')} notes={t.get('mpsrun.notes')}")
         for k in sorted(k for k in t if k.startswith("distributed.rank.")):
             print(f"  {k}: {t[k]}")
-table = "\n".join(lines) + "\n\nresnet18, 224x224, bf16 + channels_last, Adam; images/s = steady_train_samples_per_s (median of epochs 2..N), whole job.\n"
+import os
+what = "QUICK smoke run (32x32, fp32): not a benchmark" if os.environ.get("QUICK") == "1" else "resnet18, 224x224, bf16 + channels_last, Adam"
+table = "\n".join(lines) + f"\n\n{what}; device {os.environ.get('DEVICE', 'cuda')}; images/s = steady_train_samples_per_s (median of epochs 2..N), whole job.\n"
 Path(sys.argv[1]).write_text(table)
 print(table)
 PY
