@@ -81,6 +81,8 @@ def run(
         highlight=False,
     )
     console.print(f"MLflow: {summary.run.ui_hint()}  (browse: mpsrun ui)", highlight=False)
+    if summary.model_uri:
+        console.print(f"model: {summary.model_uri}  (evaluate: mpsrun eval {summary.run.run_id})", highlight=False)
 
 
 def _other_rank(setup, tracking_uri: Optional[str]) -> None:  # type: ignore[no-untyped-def]

@@ -347,6 +347,19 @@ def wrap(model: nn.Module, device: torch.device) -> nn.Module:
     return DDP(model)
 
 
+def for_recording(setup: Any) -> None:
+    """After training, on rank 0: the user's module (no DDP: its forward would wait for the other
+    ranks) and the whole validation set, for what the run records at its end (figures, the model)."""
+    if _ctx is None:
+        return
+    setup.model = unwrap(setup.model)
+    whole = getattr(setup.plan.val, "whole", None)
+    if whole is not None:
+        import dataclasses
+
+        setup.plan = dataclasses.replace(setup.plan, val=whole)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module under torch.compile and DDP: stable state_dict keys for weights and checkpoints."""
     model = getattr(model, "_orig_mod", model)

@@ -165,6 +165,7 @@ def _val_share(val: Any, batch: int, world: int, rank: int) -> Any:
         s, e = share_bounds(len(old.dataset), world, rank)
         part = LoaderBatches(Subset(old.dataset, range(s, e)), max(batch // world, 1), val.device, False, 0, num_workers=old.num_workers, pin_memory=old.pin_memory)
     part.samples = val.samples
+    part.whole = val  # the unshared batches, for rank 0's end-of-run figures
     return part
 
 
