@@ -138,7 +138,8 @@ def test_nproc_2_is_one_run_on_the_single_process_trajectory(work) -> None:  # t
     acc_a = work.history(single.info.run_id, "val_accuracy")
     acc_b = work.history(ddp.info.run_id, "val_accuracy")
     assert acc_a == acc_b  # counts over the whole validation set, reduced across ranks
-    assert "model.pt" in [f.path for f in work.client().list_artifacts(ddp.info.run_id)]
+    assert ddp.data.tags["mpsrun.model_uri"] == f"runs:/{ddp.info.run_id}/model"  # logged once, by rank 0
+    assert {"distributed_ranks.json", "figures", "recipe.yaml"} <= {f.path for f in work.client().list_artifacts(ddp.info.run_id)}
 
 
 @pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="torchrun not installed beside python")
