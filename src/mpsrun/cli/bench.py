@@ -82,6 +82,8 @@ def bench(
     )
     for note in plan.notes:
         console.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)
+    from mpsrun.train import interrupt
+
     runner_ = None
     parallel_notes: list[str] = []
     if parallel > 1:
@@ -89,11 +91,12 @@ def bench(
 
         runner_ = parallelmod.cells_runner(parallel, parallel_notes)
     try:
-        result = benchmod.run(plan, tracking_uri, Printer(), out, cells_runner=runner_, parallel=parallel)
-    except KeyboardInterrupt:
-        err.print("[yellow]interrupted:[/] the bench's parent run and the running cell are marked KILLED; "
+        with interrupt.stop_on_signals():  # SIGINT/SIGTERM: the running cell and the parent end KILLED, exit 130/143
+            result = benchmod.run(plan, tracking_uri, Printer(), out, cells_runner=runner_, parallel=parallel)
+    except KeyboardInterrupt as e:
+        err.print(f"[yellow]interrupted ({getattr(e, 'name', 'SIGINT')}):[/] the bench's parent run and the running cell are marked KILLED; "
                   "`mpsrun compare` shows what finished")
-        raise typer.Exit(EXIT_INTERRUPT) from None
+        raise typer.Exit(interrupt.exit_code(e)) from None
     for note in parallel_notes:
         console.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)
     comparemod.render(result.table, console)

@@ -167,12 +167,19 @@ def adjust_options(options: Any, requested_graphs: Any) -> None:
     )
 
 
-def on_failure(error: Exception, run: Any) -> Exception:
-    """Every rank: leave its error in the store. Rank 0: the error naming the rank(s), and tags on the run."""
+def on_failure(error: BaseException, run: Any) -> Any:
+    """Every rank: leave its error in the store. Rank 0: the error naming the rank(s), and tags on the run.
+
+    Returns `error` itself when there is nothing to add (a single process, a plain stop).
+    """
     global _failing
     if _ctx is None:
         return error
     _failing = True
+    try:  # the agent's SIGTERM must not cut the record short (whoever's handler is installed now)
+        signal.signal(signal.SIGTERM, _on_term)
+    except ValueError:
+        pass  # not the main thread
     report_failure(error)
     if not _ctx.main:
         return error
@@ -239,8 +246,8 @@ def _store() -> Any | None:
 
 def report_failure(error: BaseException) -> None:
     """Leave this rank's error in the job's store, for rank 0 to name it (best effort, never raises)."""
-    if _ctx is None or isinstance(error, PeerFailed):
-        return
+    if _ctx is None or isinstance(error, (PeerFailed, KeyboardInterrupt)):
+        return  # stopped, not failed: the cause is elsewhere
     store = _store()
     if store is None:
         return
@@ -277,13 +284,19 @@ def failed_ranks(wait_s: float = 3.0) -> dict[int, str]:
 
 
 def explain(error: BaseException) -> BaseException:
-    """On rank 0 of a job: the error to record, naming the rank that brought the job down."""
+    """On rank 0 of a job: the error to record, naming the rank that brought the job down.
+
+    A signal (KeyboardInterrupt) with no rank reporting a failure is returned as is: a stop, not a failure.
+    """
     if _ctx is None:
         return error
-    peers = {r: m for r, m in failed_ranks(3.0 if isinstance(error, (PeerFailed, RuntimeError)) else 0.5).items() if r != _ctx.rank}
+    wait = 3.0 if isinstance(error, (PeerFailed, RuntimeError, KeyboardInterrupt)) else 0.5
+    peers = {r: m for r, m in failed_ranks(wait).items() if r != _ctx.rank}
     if peers:
         named = "; ".join(f"rank {r} failed: {m}" for r, m in sorted(peers.items()))
         return RankFailed(named, sorted(peers), error)
+    if isinstance(error, KeyboardInterrupt):
+        return error
     if isinstance(error, PeerFailed):
         return RankFailed(
             f"{error}; no rank reported an error: a rank was killed (e.g. out of memory, SIGKILL) or the job was stopped",
@@ -420,6 +433,11 @@ class NullTracker:
         from mpsrun.track.store import RunInfo
 
         return RunInfo(f"(rank 0's run; this is rank {rank()})", "", self.experiment, self.uri)
+
+    def attach(self, run_id: str) -> Any:
+        from mpsrun.track.store import RunInfo
+
+        return RunInfo(run_id, "", self.experiment, self.uri)
 
     def flush(self) -> list[str]:
         return []

@@ -25,7 +25,8 @@ from mpsrun.recipe.model import Recipe
 from mpsrun.track import store as tracking
 from mpsrun.track.standard import bookkeeping
 from mpsrun.train import distributed, record, shards
-from mpsrun.train.callbacks import Callback, Callbacks, RunState
+from mpsrun.train.callbacks import Callback, Callbacks, RunState  # noqa: F401 - Callbacks: public here
+from mpsrun.train.continuity import Continuity, ResumePoint
 from mpsrun.train.data import BatchPlan, plan_batches
 from mpsrun.train.engine import Listener, Listeners, Options, TrainResult, train
 
@@ -250,19 +251,24 @@ def _version() -> str:
     return __version__
 
 
-def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = None, parent_run_id: str | None = None, tags: dict[str, str] | None = None) -> RunSummary:
-    """Start the MLflow run, train, and record the outcome, whatever it is."""
+def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = None, parent_run_id: str | None = None, tags: dict[str, str] | None = None, resume: ResumePoint | None = None, experiment: str | None = None) -> RunSummary:
+    """Start the MLflow run (or continue one: `resume`), train, and record the outcome, whatever it is."""
     r = setup.resolved
     recipe = r.recipe
     uri, artifact_root = tracking.resolve_uri(tracking_uri)
-    experiment = recipe.tracking.experiment or r.path.stem
+    experiment = experiment or recipe.tracking.experiment or r.path.stem
     tracker = distributed.tracker(uri, experiment, artifact_root)  # rank 0 alone writes: one run per job
     job_tags, rank_facts = distributed.job_tags(setup.choice.device, devices.choice_tags(setup.choice))
-    info = tracker.start(recipe.tracking.run_name or record.default_run_name(setup), {**run_tags(setup), **job_tags, **(tags or {})}, parent_run_id)
+    all_tags = {**run_tags(setup), **job_tags, **(tags or {})}
+    if resume is None:
+        info = tracker.start(recipe.tracking.run_name or record.default_run_name(setup), all_tags, parent_run_id)
+    else:  # the same run goes on; its params stay as first logged (MLflow params are immutable)
+        info = tracker.attach(resume.run_id)
     distributed.publish_run_id(info.run_id)
     main = distributed.is_main_process()
     rec = record.begin(tracker, setup, recipe.tracking.system_metrics) if main else record.Recorder(tracker, setup)  # experiment kind, standard tags, datasets, system metrics
-    tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": setup.plan.train.samples, "data.val_size": setup.plan.val.samples})
+    if resume is None:
+        tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": setup.plan.train.samples, "data.val_size": setup.plan.val.samples})
     tracker.log_text(r.as_yaml(), "recipe.yaml")
     if rank_facts:
         import json
@@ -275,15 +281,17 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
 
     class _Log(Listener):
         def on_epoch_end(self, m):  # type: ignore[no-untyped-def]
-            tracker.log_metrics(m.metrics(), step=m.epoch)
+            tracker.log_metrics({**m.metrics(), "mpsrun/epochs_done": m.epoch + 1}, step=m.epoch)
 
     listeners = Listeners(listener, _Log())
     for note in setup.notes + setup.options.notes + rec.notes:
         listeners.on_note(note)
     setup.notes.extend(rec.notes)
+    keep = Continuity(setup, tracker, all_tags, listeners.on_note, resume)  # liveness, non-finite guard, checkpoints
+    listeners.items.append(keep.guard.listener)
+    state = RunState(setup.model, setup.optimizer, setup.choice.device, recipe.epochs, log=tracker)
     try:
         canary.guard(setup, tracker.set_tags, listeners.on_note)  # wrong-answer ops stop the run here
-        state = RunState(setup.model, setup.optimizer, setup.choice.device, recipe.epochs, log=tracker)
         result = train(
             setup.model,
             setup.optimizer,
@@ -292,9 +300,11 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
             recipe.epochs,
             setup.options,
             listeners,
-            callbacks=Callbacks(*setup.callbacks, record.callback(rec) if main else None),
+            callbacks=keep.callbacks([*setup.callbacks, *([record.callback(rec)] if main else [])]),
             state=state,
+            start_epoch=keep.start_epoch,
         )
+        keep.after_fit(state, setup.model)  # model_from: best puts the best weights back before they are logged
         tracker.log_metrics(result.summary())
         errors = tracker.flush()
         tracker.log_metrics(
@@ -320,15 +330,23 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
             tracker.set_tags({"mpsrun.logging_errors": " | ".join(errors)})
         if not recipe.tracking.log_model:
             tracker.set_tags({"mpsrun.model_artifact": "skipped (tracking.log_model: false)"})
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         record.stop(rec)
+        keep.interrupted(e, state.epoch)
+        keep.close()
+        peer = distributed.on_failure(e, tracker)  # the agent's SIGTERM after a rank died: FAILED, naming that rank
+        if peer is not e:
+            tracker.finish("FAILED", peer)
+            raise RunFailed(f"{type(peer).__name__}: {peer}", info.run_id) from peer
         tracker.finish("KILLED")
         raise
     except Exception as e:
         e = distributed.on_failure(e, tracker)  # names the rank that brought a job down
         record.stop(rec)
+        keep.close()
         tracker.finish("FAILED", e)
         raise RunFailed(f"{type(e).__name__}: {e}", info.run_id) from e
+    keep.close()
     tracker.finish("FINISHED")
     model_uri = rec.model.registered or rec.model.model_uri if rec.model else None
     return RunSummary(info, result, setup, tracker.log_time_s, model_uri)
