@@ -24,7 +24,9 @@ def free_port() -> int:
 
 
 def port_free(port: int) -> bool:
+    """Can a new server listen on `port`? (SO_REUSEADDR, as servers bind: TIME_WAIT does not count.)"""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -55,8 +57,12 @@ def clean_env(**extra: str) -> dict[str, str]:
 class MlflowServer:
     """`mlflow server` on a free port, backed by SQLite and an artifact folder in tmp."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, template_db: Path | None = None) -> None:
         self.root = root
+        if template_db is not None:  # an already-migrated empty store: saves the server seconds of migrations
+            import shutil
+
+            shutil.copy(template_db, root / "server.db")
         self.port = free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None

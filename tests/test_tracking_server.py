@@ -28,8 +28,8 @@ tracking: {{experiment: remote, run_name: {name}}}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    s = MlflowServer(tmp_path_factory.mktemp("server"))
+def server(tmp_path_factory: pytest.TempPathFactory, template_db: Path):  # type: ignore[no-untyped-def]
+    s = MlflowServer(tmp_path_factory.mktemp("server"), template_db)
     s.start()
     yield s
     s.kill(signal.SIGTERM)
