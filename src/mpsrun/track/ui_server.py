@@ -5,8 +5,9 @@ workers). `subprocess.call` left it running, orphaned and holding the port, when
 `mpsrun ui` itself got SIGTERM (`docker stop`, Slurm, a closed terminal), and a
 Ctrl-C reached the tree only because the terminal happened to signal the whole
 foreground group. So the server runs in a session (process group) of its own,
-and mpsrun forwards SIGINT and SIGTERM to that group, waits for it to exit
-(SIGKILL after a grace period), and exits 130 or 143 like every other command.
+and on SIGINT or SIGTERM mpsrun stops that whole group (SIGTERM, the server's
+graceful shutdown), waits for it to exit (SIGKILL after a grace period), and exits
+130 or 143 like every other command.
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ def serve(cmd: list[str]) -> int:
                     continue
                 stop_group(proc, signal.SIGTERM, grace=2.0)  # the leader exited: no worker may outlive it
                 return code
-            stop_group(proc, got[0])
+            # The server is always asked to stop with SIGTERM: its graceful shutdown. (Given
+            # SIGINT, the mlflow CLI's threads print KeyboardInterrupt tracebacks.)
+            stop_group(proc, signal.SIGTERM)
             return EXIT_BY_SIGNAL[signal.Signals(got[0])]
         except BaseException:
             stop_group(proc, signal.SIGTERM)
