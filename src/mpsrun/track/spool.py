@@ -167,6 +167,13 @@ def spooled_runs(uri: str) -> Iterator[Spool]:
     return iter([Spool(uri, p.stem) for p in files])
 
 
+# MLflow error codes that mean "the server answered and the request itself is wrong".
+CLIENT_ERRORS = {
+    "INVALID_PARAMETER_VALUE", "BAD_REQUEST", "RESOURCE_DOES_NOT_EXIST", "RESOURCE_ALREADY_EXISTS",
+    "INVALID_STATE", "PERMISSION_DENIED", "UNAUTHENTICATED", "ENDPOINT_NOT_FOUND",
+}
+
+
 def _warn(message: str) -> None:
     import sys
 
@@ -177,9 +184,10 @@ class Outbox:
     """Every write of one run goes through here: straight to the store, or, while the store
     is away, to the run's spool (and everything after it too, to keep the order).
 
-    "Away" means the write failed and the store does not answer a probe (an HTTP server
-    that is down) or SQLite stayed locked past the retries; any other error (a bad
-    value, a rejected parameter change) is the caller's to report, not spooled.
+    "Away" means an HTTP store failed the write without refusing it (no answer, a
+    timeout, a 5xx after MLflow's bounded retries), or SQLite stayed locked past the
+    retries; an error that refuses the request itself (a bad value, a rejected
+    parameter change: MLflow's client error codes) is the caller's to report, not spooled.
     """
 
     def __init__(self, uri: str, note: Callable[[str], None] = _warn) -> None:
@@ -212,11 +220,16 @@ class Outbox:
                 self.spooled += 1
 
     def _away(self, e: BaseException) -> bool:
+        """Worth spooling: the store is unreachable or failing on its side, not refusing the request."""
         from mpsrun.track import remote
 
         if is_locked_error(e):
             return True
-        return remote.is_http(self.uri) and remote.probe(self.uri) is not None
+        if not remote.is_http(self.uri):
+            return False
+        if getattr(e, "error_code", "") in CLIENT_ERRORS:
+            return False  # the server answered and refused this write: spooling would not help
+        return True  # no answer, a timeout, or a 5xx/429 after MLflow's (bounded) retries
 
     def _went_away(self, e: BaseException, sp: Spool) -> None:
         if self.since is None:
