@@ -155,7 +155,8 @@ def test_server_gone_until_the_end_then_mpsrun_sync(tmp_path: Path, server: Mlfl
     assert len(c.get_metric_history(run_id, "val_loss")) == epochs
     assert "steady_epoch_time_s" in run.data.metrics
     assert "mpsrun.spool" in run.data.tags and "mpsrun.spool.synced" in run.data.tags
-    assert "model.pt" in [a.path for a in c.list_artifacts(run_id)]
+    assert "recipe.yaml" in [a.path for a in c.list_artifacts(run_id)]
+    assert "logged model are skipped" in run.data.tags["mpsrun.notes"]
     assert not _spool_files(tmp_path)
     p = subprocess.run([MPSRUN, "sync", "--tracking-uri", server.uri], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "nothing to sync" in p.stdout
