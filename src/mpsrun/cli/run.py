@@ -18,6 +18,7 @@ from mpsrun.cli.common import (
     console,
     err,
     one_cell,
+    require_store,
     resolve_recipe,
 )
 
@@ -36,6 +37,7 @@ def run(
 ) -> None:
     """Train a recipe and record metrics, timings and device facts in MLflow."""
     resolved = one_cell(resolve_recipe(recipe, overrides))  # a matrix pinned to one cell runs; more: use bench
+    require_store(tracking_uri)  # an unreachable server: exit 2 in seconds, before any data loads
     if nproc > 1:  # N copies of this command, started by torch's elastic agent (as torchrun does)
         from mpsrun.cli.ranks import launch_ranks
 
