@@ -33,7 +33,7 @@ def run(
     """Train a recipe and record metrics, timings and device facts in MLflow."""
     resolved = one_cell(resolve_recipe(recipe, overrides))  # a matrix pinned to one cell runs; more: use bench
     from mpsrun.train import runner
-    from mpsrun.train.progress import BarProgress, QuietProgress
+    from mpsrun.train.progress import BarProgress, QuietProgress, quality
 
     try:
         setup = runner.prepare(resolved)
@@ -62,8 +62,10 @@ def run(
         raise typer.Exit(EXIT_FAIL) from None
     res = summary.result
     s = res.summary()
+    if res.stop_reason:
+        console.print(f"stopped: {res.stop_reason}", highlight=False)
     console.print(
-        f"done: val_acc {s['final_val_accuracy']:.4f}  first epoch {s['first_epoch_time_s']:.3f} s  "
+        f"done: {quality(res.epochs[-1])}  first epoch {s['first_epoch_time_s']:.3f} s  "
         f"steady epoch {s['steady_epoch_time_s']:.3f} s (median of {max(len(res.epochs) - 1, 1)})  "
         f"total {s['total_train_time_s']:.2f} s  peak memory {s['peak_memory_bytes'] / 2**20:.0f} MiB",
         highlight=False,

@@ -23,6 +23,7 @@ from mpsrun.plugins.contract import DataSplits
 from mpsrun.recipe.load import Resolved, flatten
 from mpsrun.recipe.model import Recipe
 from mpsrun.track import store as tracking
+from mpsrun.train import controls, final_eval
 from mpsrun.train.callbacks import Callback, Callbacks, RunState
 from mpsrun.train.data import BatchPlan, plan_batches
 from mpsrun.train.engine import Listener, Listeners, Options, TrainResult, train
@@ -53,6 +54,8 @@ class Setup:
     options: Options
     notes: list[str] = field(default_factory=list)
     callbacks: list[Callback] = field(default_factory=list)  # called between epochs, in this order
+    objective: controls.Objective | None = None  # loss, metrics, clipping, accumulation (train/controls.py)
+    extras: dict = field(default_factory=dict)  # RunState.extras: the scheduler, ... (checkpoints carry them)
 
 
 @dataclass
@@ -85,7 +88,11 @@ def build_data(recipe: Recipe, resolved: Resolved) -> DataSplits:
 
 
 def build_model(recipe: Recipe, splits: DataSplits) -> nn.Module:
-    filled = {"num_classes": splits.num_classes, "input_shape": tuple(splits.input_shape), "data_info": dict(splits.info)}
+    try:
+        outputs = controls.num_outputs(splits)
+    except controls.ControlError as e:
+        raise InputError(str(e)) from None
+    filled = {"num_classes": splits.num_classes, "num_outputs": outputs, "input_shape": tuple(splits.input_shape), "data_info": dict(splits.info)}
     try:
         model = plugins.build("model", recipe.model.name, recipe.model.kwargs, filled)
     except plugins.PluginError as e:
@@ -187,15 +194,21 @@ def prepare(resolved: Resolved) -> Setup:
         pin_memory=recipe.loader.pin_memory,
     )
     options = resolve_options(recipe, device, model, plan)
+    controls.adjust_options(recipe, options)  # what CUDA graphs cannot carry, before `capturable` is decided
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = options.cudnn_benchmark  # fixed shapes: time algorithms once
     model = model.to(device)
     if options.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(recipe, model, options.graphs)
+    try:
+        ctl = controls.build(recipe, splits, model, optimizer, plan, options, device)
+    except controls.ControlError as e:
+        raise InputError(str(e)) from None
+    notes += ctl.notes + splits.info.get("notes", [])
     if options.compile:
         model = _compile(model, options)
-    return Setup(resolved, choice, splits, model, optimizer, plan, options, notes)
+    return Setup(resolved, choice, splits, model, optimizer, plan, options, notes, list(ctl.callbacks), ctl.objective, ctl.extras)
 
 
 def _compile(model: nn.Module, options: Options) -> nn.Module:
@@ -261,6 +274,7 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
     try:
         canary.guard(setup, tracker.set_tags, listeners.on_note)  # wrong-answer ops stop the run here
         state = RunState(setup.model, setup.optimizer, setup.choice.device, recipe.epochs, log=tracker)
+        state.extras.update(setup.extras)
         result = train(
             setup.model,
             setup.optimizer,
@@ -271,7 +285,10 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
             listeners,
             callbacks=Callbacks(*setup.callbacks),
             state=state,
+            objective=setup.objective,
         )
+        if setup.splits.test is not None and setup.objective is not None:  # after fit-end callbacks: the logged weights
+            tracker.log_metrics(final_eval.evaluate(setup.model, setup.optimizer, setup.objective, setup.splits.test, recipe.batch_size, setup.choice.device, setup.options, setup.splits.transform))
         tracker.log_metrics(result.summary())
         errors = tracker.flush()
         tracker.log_metrics(
