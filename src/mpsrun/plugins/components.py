@@ -15,7 +15,7 @@ import re
 from functools import lru_cache
 from typing import Any, Callable
 
-from mpsrun.plugins import registry
+import mpsrun.plugins.registry as registry
 from mpsrun.plugins.registry import PluginError
 from mpsrun.recipe.problems import Problem, RecipeSource, did_you_mean
 
