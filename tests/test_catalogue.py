@@ -102,7 +102,7 @@ def test_plugins_kind_filter(work) -> None:
     kinds = {x["kind"] for x in json.loads(r.stdout)}
     assert kinds == {"dataset"}
     r = work.cli("plugins", "--kind", "optimizer")
-    assert r.exit_code == 2 and "model or dataset" in r.stderr
+    assert r.exit_code == 2 and "model, dataset, callback or loss" in r.stderr
 
 
 def test_plugins_show_prints_type_hints_and_filled_parameters(work) -> None:
