@@ -7,19 +7,19 @@
 set -u
 [ -d .whl ] && . benchmarks/gpu_setup.sh
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-REPEATS=${REPEATS:-3}; EPOCHS=${EPOCHS:-6}
+REPEATS=${REPEATS:-3}; EPOCHS=${EPOCHS:-6}; DEVICE=${DEVICE:-cuda}   # DEVICE=cpu: a dry run of the script
 WORK=$(mktemp -d)
 if [ -z "${DATA:-}" ]; then DATA=$WORK/fm; python3 -m mpsrun.testing.idx "$DATA" --name FashionMNIST >/dev/null; fi
 export MLFLOW_TRACKING_URI=sqlite:///$WORK/mlflow.db
 RECIPE=$PWD/recipes/fashion_mlp_mps.yaml
-COMMON=(device=cuda "dataset.root=$DATA" dataset.download=false "epochs=$EPOCHS" tracking.experiment=controls_bench tracking.log_model=false --quiet)
+COMMON=("device=$DEVICE" "dataset.root=$DATA" dataset.download=false "epochs=$EPOCHS" tracking.experiment=controls_bench tracking.log_model=false --quiet)
 CONTROLS=("scheduler={name: CosineAnnealingLR, T_max: $EPOCHS}" "grad_clip={max_norm: 1.0}")
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/controls_gpu.txt"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | tee "$OUT/controls_gpu.txt"
 for i in $(seq 1 "$REPEATS"); do
   (cd "$WORK" && mpsrun run "$RECIPE" "${COMMON[@]}" tracking.run_name=baseline) 2>&1 | tail -2
   (cd "$WORK" && mpsrun run "$RECIPE" "${COMMON[@]}" "${CONTROLS[@]}" tracking.run_name=cosine+clip) 2>&1 | tail -2
 done | tee "$OUT/controls_runs.log"
-python3 - "$OUT/controls.md" <<'EOF'
+EPOCHS=$EPOCHS python3 - "$OUT/controls.md" <<'EOF'
 import os, statistics, sys
 import torch
 from mlflow.tracking import MlflowClient
@@ -34,7 +34,7 @@ def med(name, key):
     return statistics.median(r.data.metrics[key] for r in rows[name])
 base = med("baseline", "steady_epoch_time_s")
 lines = [
-    f"FashionMNIST MLP (recipes/fashion_mlp_mps.yaml), {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+    f"FashionMNIST MLP (recipes/fashion_mlp_mps.yaml), {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU (dry run)'}, torch {torch.__version__}, "
     f"{len(rows.get('baseline', []))} interleaved repeats of {os.environ.get('EPOCHS', '6')} epochs; steady = median of epochs after the first",
     "",
     "| run | steady epoch (s), median | vs baseline | first epoch (s) | graphs | val_accuracy | test_accuracy | notes |",

@@ -61,6 +61,8 @@ def run(
         err.print(f"[red]failed:[/] {e} (MLflow run {e.run_id} marked FAILED, traceback in its error.txt)", highlight=False)
         raise typer.Exit(EXIT_FAIL) from None
     res = summary.result
+    if res.stop_reason and isinstance(progress, BarProgress):
+        progress.stop()  # the bar stops itself only after the planned last epoch
     s = res.summary()
     if res.stop_reason:
         console.print(f"stopped: {res.stop_reason}", highlight=False)
