@@ -153,6 +153,8 @@ def train(
     listener.on_start(epochs, len(plan.train), len(plan.val))
     callbacks = callbacks or Callback()
     state = state or RunState(model, optimizer, device, epochs)
+    if trainer.scaler is not None:  # fp16: checkpoints carry the grad scaler; a restored one is used
+        trainer.scaler = state.extras.setdefault("scaler", trainer.scaler)
     n_train = plan.train.samples
     n_val = plan.val.samples
     results: list[EpochMetrics] = []
