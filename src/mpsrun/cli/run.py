@@ -73,6 +73,8 @@ def run(
         highlight=False,
     )
     console.print(f"MLflow: {summary.run.ui_hint()}  (browse: mpsrun ui)", highlight=False)
+    if summary.model_uri:
+        console.print(f"model: {summary.model_uri}  (evaluate: mpsrun eval {summary.run.run_id})", highlight=False)
 
 
 @app.command()

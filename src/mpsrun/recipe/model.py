@@ -8,6 +8,7 @@ the models without either importing the other.
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
@@ -30,12 +31,19 @@ class PluginSection(BaseModel):
         return dict(self.model_extra or {})
 
 
+# `tracking.register` is the user-facing key; pydantic warns that it shadows ABCMeta's
+# `register` classmethod on instances, which nothing here uses.
+warnings.filterwarnings("ignore", message='Field name "register"', category=UserWarning)
+
+
 class TrackingSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
     experiment: str | None = None
     run_name: str | None = None
     tags: dict[str, str] = Field(default_factory=dict)
-    log_model: bool = Field(True, description="save the final weights as the run's model.pt artifact")
+    log_model: bool = Field(True, description="log the trained model with mlflow.pytorch (artifact `model`: signature, input example, requirements)")
+    register: str | None = Field(None, description="register the logged model as a new version of this registered model")
+    system_metrics: bool = Field(True, description="sample CPU, memory, disk, network and GPU (NVIDIA, MPS) as system/... metrics")
 
     @field_validator("tags", mode="before")
     @classmethod

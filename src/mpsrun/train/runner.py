@@ -23,7 +23,8 @@ from mpsrun.plugins.contract import DataSplits
 from mpsrun.recipe.load import Resolved, flatten
 from mpsrun.recipe.model import Recipe
 from mpsrun.track import store as tracking
-from mpsrun.train import controls, final_eval
+from mpsrun.track.standard import bookkeeping
+from mpsrun.train import controls, final_eval, record
 from mpsrun.train.callbacks import Callback, Callbacks, RunState
 from mpsrun.train.data import BatchPlan, plan_batches
 from mpsrun.train.engine import Listener, Listeners, Options, TrainResult, train
@@ -64,6 +65,7 @@ class RunSummary:
     result: TrainResult
     setup: Setup
     mlflow_log_time_s: float
+    model_uri: str | None = None  # runs:/ID/model, or models:/NAME/VERSION when registered
 
 
 def seed_everything(seed: int) -> None:
@@ -256,7 +258,8 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
     uri, artifact_root = tracking.resolve_uri(tracking_uri)
     experiment = recipe.tracking.experiment or r.path.stem
     tracker = tracking.Tracker(uri, experiment, artifact_root)
-    info = tracker.start(recipe.tracking.run_name, {**run_tags(setup), **(tags or {})}, parent_run_id)
+    info = tracker.start(recipe.tracking.run_name or record.default_run_name(setup), {**run_tags(setup), **(tags or {})}, parent_run_id)
+    rec = record.begin(tracker, setup, recipe.tracking.system_metrics)  # experiment kind, standard tags, datasets, system metrics
     tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": setup.plan.train.samples, "data.val_size": setup.plan.val.samples})
     tracker.log_text(r.as_yaml(), "recipe.yaml")
     if setup.splits.info:  # e.g. tabular's category vocabularies: needed to use the weights later
@@ -269,8 +272,9 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
             tracker.log_metrics(m.metrics(), step=m.epoch)
 
     listeners = Listeners(listener, _Log())
-    for note in setup.notes + setup.options.notes:
+    for note in setup.notes + setup.options.notes + rec.notes:
         listeners.on_note(note)
+    setup.notes.extend(rec.notes)
     try:
         canary.guard(setup, tracker.set_tags, listeners.on_note)  # wrong-answer ops stop the run here
         state = RunState(setup.model, setup.optimizer, setup.choice.device, recipe.epochs, log=tracker)
@@ -283,7 +287,7 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
             recipe.epochs,
             setup.options,
             listeners,
-            callbacks=Callbacks(*setup.callbacks),
+            callbacks=Callbacks(*setup.callbacks, record.callback(rec)),
             state=state,
             objective=setup.objective,
         )
@@ -292,27 +296,37 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
         tracker.log_metrics(result.summary())
         errors = tracker.flush()
         tracker.log_metrics(
-            {
-                "mlflow_log_time_s": tracker.log_time_s,
-                "mlflow_log_time_during_training_s": tracker.log_time_during_s,
-                "mlflow_handoff_time_s": tracker.handoff_time_s,
-            }
+            bookkeeping(
+                {
+                    "mlflow_log_time_s": tracker.log_time_s,
+                    "mlflow_log_time_during_training_s": tracker.log_time_during_s,
+                    "mlflow_handoff_time_s": tracker.handoff_time_s,
+                }
+            )
         )
+        seen = len(rec.notes)
+        record.end(rec, result)  # figures, description, the logged (and registered) model
+        record.stop(rec)
+        for note in rec.notes[seen:]:
+            listeners.on_note(note)
+            setup.notes.append(note)
+        tracker.log_metrics(bookkeeping(rec.timings))
         tracker.set_tags({**setup.options.as_params(), "mpsrun.notes": " | ".join(setup.notes + setup.options.notes) or "none"})
         if errors:
             tracker.set_tags({"mpsrun.logging_errors": " | ".join(errors)})
-        if recipe.tracking.log_model:
-            tracker.log_state_dict(_unwrap(setup.model).state_dict())
-        else:
+        if not recipe.tracking.log_model:
             tracker.set_tags({"mpsrun.model_artifact": "skipped (tracking.log_model: false)"})
     except KeyboardInterrupt:
+        record.stop(rec)
         tracker.finish("KILLED")
         raise
     except Exception as e:
+        record.stop(rec)
         tracker.finish("FAILED", e)
         raise RunFailed(f"{type(e).__name__}: {e}", info.run_id) from e
     tracker.finish("FINISHED")
-    return RunSummary(info, result, setup, tracker.log_time_s)
+    model_uri = rec.model.registered or rec.model.model_uri if rec.model else None
+    return RunSummary(info, result, setup, tracker.log_time_s, model_uri)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
