@@ -48,13 +48,17 @@ def run(
         highlight=False,
     )
     progress = QuietProgress(console) if quiet or not console.is_terminal else BarProgress(console)
+    from mpsrun.train import interrupt
+
     try:
-        summary = runner.execute(setup, tracking_uri, progress)
-    except KeyboardInterrupt:
+        with interrupt.stop_on_signals():  # SIGINT/SIGTERM: checkpoint, flush, KILLED, exit 130/143
+            summary = runner.execute(setup, tracking_uri, progress)
+    except KeyboardInterrupt as e:
         if isinstance(progress, BarProgress):
             progress.stop()
-        err.print("[yellow]interrupted:[/] the MLflow run is marked KILLED")
-        raise typer.Exit(EXIT_INTERRUPT) from None
+        err.print(f"[yellow]interrupted ({getattr(e, 'name', 'SIGINT')}):[/] the MLflow run is marked KILLED; "
+                  "`mpsrun runs` shows the command to resume it", highlight=False)
+        raise typer.Exit(interrupt.exit_code(e)) from None
     except runner.RunFailed as e:
         if isinstance(progress, BarProgress):
             progress.stop()

@@ -63,6 +63,16 @@ class LoaderSection(BaseModel):
     pin_memory: Union[Auto, bool] = "auto"
 
 
+class CheckpointSection(BaseModel):
+    """End-of-epoch checkpoints, kept with the run (its artifacts) so `mpsrun resume` continues it."""
+
+    model_config = ConfigDict(extra="forbid")
+    every: int = Field(1, ge=0, description="epochs between checkpoints (0: off; `mpsrun bench` cells default to 0)")
+    keep: int = Field(1, ge=1, description="recent epoch checkpoints kept (the newest is always checkpoints/last.pt)")
+    monitor: str = Field("val_loss", description="metric that picks the best checkpoint (checkpoints/best.pt)")
+    mode: Literal["min", "max"] = Field("min", description="whether a lower (min) or higher (max) monitor is better")
+
+
 class SchedulerSection(PluginSection):
     """`name:` a torch.optim.lr_scheduler class, its keyword arguments flat beside it, plus how to step it."""
 
@@ -145,6 +155,13 @@ class Recipe(BaseModel):
     log_every: int = Field(
         0, ge=0, description="steps between progress reads of the loss (0: once per epoch)"
     )
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    on_nonfinite: Literal["stop", "warn"] = Field(
+        "stop", description="a NaN or infinite loss read at an epoch end: stop (run FAILED, exit 1) or warn and go on"
+    )
+    model_from: Literal["best", "last"] = Field(
+        "best", description="weights logged and evaluated at the end: the best checkpoint's (by checkpoint.monitor) or the last epoch's"
+    )
     canary: Literal["on", "warn", "off"] = Field(
         "on",
         description="start-up check of known-fragile ops on the device against the CPU: "
@@ -195,9 +212,9 @@ def key_problem(key: str) -> str | None:
         return "tracking settings cannot vary: every cell is a child run of one parent, in one experiment"
     if len(parts) == 1 or ann is PluginSection or top in ("loss", "scheduler", "early_stopping", "grad_clip"):
         return None  # plugin arguments are checked against the plugin's signature, per cell
-    if ann is LoaderSection:
-        sub = list(LoaderSection.model_fields)
+    if ann in (LoaderSection, CheckpointSection):
+        sub = list(ann.model_fields)
         if parts[1] not in sub:
-            return f"unknown recipe path{did_you_mean(parts[1], sub)}; loader keys: {', '.join(sub)}"
+            return f"unknown recipe path{did_you_mean(parts[1], sub)}; {top} keys: {', '.join(sub)}"
         return None if len(parts) == 2 else f"'{top}.{parts[1]}' is a value, not a section"
     return f"'{top}' is a value, not a section"

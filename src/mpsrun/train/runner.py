@@ -25,7 +25,8 @@ from mpsrun.recipe.model import Recipe
 from mpsrun.track import store as tracking
 from mpsrun.track.standard import bookkeeping
 from mpsrun.train import controls, final_eval, record
-from mpsrun.train.callbacks import Callback, Callbacks, RunState
+from mpsrun.train.callbacks import Callback, Callbacks, RunState  # noqa: F401 - Callbacks: public here
+from mpsrun.train.continuity import Continuity, ResumePoint
 from mpsrun.train.data import BatchPlan, plan_batches
 from mpsrun.train.engine import Listener, Listeners, Options, TrainResult, train
 
@@ -251,16 +252,21 @@ def _version() -> str:
     return __version__
 
 
-def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = None, parent_run_id: str | None = None, tags: dict[str, str] | None = None) -> RunSummary:
-    """Start the MLflow run, train, and record the outcome, whatever it is."""
+def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = None, parent_run_id: str | None = None, tags: dict[str, str] | None = None, resume: ResumePoint | None = None, experiment: str | None = None) -> RunSummary:
+    """Start the MLflow run (or continue one: `resume`), train, and record the outcome, whatever it is."""
     r = setup.resolved
     recipe = r.recipe
     uri, artifact_root = tracking.resolve_uri(tracking_uri)
-    experiment = recipe.tracking.experiment or r.path.stem
+    experiment = experiment or recipe.tracking.experiment or r.path.stem
     tracker = tracking.Tracker(uri, experiment, artifact_root)
-    info = tracker.start(recipe.tracking.run_name or record.default_run_name(setup), {**run_tags(setup), **(tags or {})}, parent_run_id)
+    all_tags = {**run_tags(setup), **(tags or {})}
+    if resume is None:
+        info = tracker.start(recipe.tracking.run_name or record.default_run_name(setup), all_tags, parent_run_id)
+    else:  # the same run goes on; its params stay as first logged (MLflow params are immutable)
+        info = tracker.attach(resume.run_id)
     rec = record.begin(tracker, setup, recipe.tracking.system_metrics)  # experiment kind, standard tags, datasets, system metrics
-    tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": setup.plan.train.samples, "data.val_size": setup.plan.val.samples})
+    if resume is None:
+        tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": setup.plan.train.samples, "data.val_size": setup.plan.val.samples})
     tracker.log_text(r.as_yaml(), "recipe.yaml")
     if setup.splits.info:  # e.g. tabular's category vocabularies: needed to use the weights later
         import json
@@ -269,16 +275,18 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
 
     class _Log(Listener):
         def on_epoch_end(self, m):  # type: ignore[no-untyped-def]
-            tracker.log_metrics(m.metrics(), step=m.epoch)
+            tracker.log_metrics({**m.metrics(), "mpsrun/epochs_done": m.epoch + 1}, step=m.epoch)
 
     listeners = Listeners(listener, _Log())
     for note in setup.notes + setup.options.notes + rec.notes:
         listeners.on_note(note)
     setup.notes.extend(rec.notes)
+    keep = Continuity(setup, tracker, all_tags, listeners.on_note, resume)  # liveness, non-finite guard, checkpoints
+    listeners.items.append(keep.guard.listener)
+    state = RunState(setup.model, setup.optimizer, setup.choice.device, recipe.epochs, log=tracker)
+    state.extras.update(setup.extras)  # the LR scheduler: checkpoints save and restore it
     try:
         canary.guard(setup, tracker.set_tags, listeners.on_note)  # wrong-answer ops stop the run here
-        state = RunState(setup.model, setup.optimizer, setup.choice.device, recipe.epochs, log=tracker)
-        state.extras.update(setup.extras)
         result = train(
             setup.model,
             setup.optimizer,
@@ -287,11 +295,13 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
             recipe.epochs,
             setup.options,
             listeners,
-            callbacks=Callbacks(*setup.callbacks, record.callback(rec)),
+            callbacks=keep.callbacks([*setup.callbacks, record.callback(rec)]),
             state=state,
+            start_epoch=keep.start_epoch,
             objective=setup.objective,
         )
-        if setup.splits.test is not None and setup.objective is not None:  # after fit-end callbacks: the logged weights
+        keep.after_fit(state, setup.model)  # model_from: best puts the best weights back before they are logged
+        if setup.splits.test is not None and setup.objective is not None:  # after that: the weights that are logged
             tracker.log_metrics(final_eval.evaluate(setup.model, setup.optimizer, setup.objective, setup.splits.test, recipe.batch_size, setup.choice.device, setup.options, setup.splits.transform))
         tracker.log_metrics(result.summary())
         errors = tracker.flush()
@@ -316,14 +326,18 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
             tracker.set_tags({"mpsrun.logging_errors": " | ".join(errors)})
         if not recipe.tracking.log_model:
             tracker.set_tags({"mpsrun.model_artifact": "skipped (tracking.log_model: false)"})
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         record.stop(rec)
+        keep.interrupted(e, state.epoch)
+        keep.close()
         tracker.finish("KILLED")
         raise
     except Exception as e:
         record.stop(rec)
+        keep.close()
         tracker.finish("FAILED", e)
         raise RunFailed(f"{type(e).__name__}: {e}", info.run_id) from e
+    keep.close()
     tracker.finish("FINISHED")
     model_uri = rec.model.registered or rec.model.model_uri if rec.model else None
     return RunSummary(info, result, setup, tracker.log_time_s, model_uri)
