@@ -29,9 +29,17 @@ def run(
         None, "--tracking-uri", help="MLflow tracking URI; default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlruns/mlflow.db."
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="One line per epoch instead of progress bars."),
+    nproc: int = typer.Option(
+        1, "--nproc", min=1, help="Data-parallel ranks on this machine through torch.distributed (gloo on cpu, NCCL on cuda, "
+        "one GPU per rank); batch_size stays the global batch. Across machines: torchrun ... -m mpsrun run RECIPE.",
+    ),
 ) -> None:
     """Train a recipe and record metrics, timings and device facts in MLflow."""
     resolved = one_cell(resolve_recipe(recipe, overrides))  # a matrix pinned to one cell runs; more: use bench
+    if nproc > 1:  # N copies of this command, started by torch's elastic agent (as torchrun does)
+        from mpsrun.cli.ranks import launch_ranks
+
+        return launch_ranks(resolved, recipe, overrides or [], tracking_uri, quiet, nproc)
     from mpsrun.train import runner
     from mpsrun.train.progress import BarProgress, QuietProgress, quality
 
@@ -40,6 +48,10 @@ def run(
     except runner.InputError as e:
         raise bad_input(str(e)) from None
     r = setup.resolved.recipe
+    from mpsrun.train.distributed import is_main_process
+
+    if not is_main_process():  # ranks 1..N-1 of a job train silently; rank 0 speaks for the job
+        return _other_rank(setup, tracking_uri)
     console.print(
         f"[bold]mpsrun[/] {recipe}  model={r.model.name} dataset={r.dataset.name} "
         f"device={setup.choice.device} (requested {r.device})  epochs={r.epochs} batch={r.batch_size}  "
@@ -79,6 +91,18 @@ def run(
     console.print(f"MLflow: {summary.run.ui_hint()}  (browse: mpsrun ui)", highlight=False)
     if summary.model_uri:
         console.print(f"model: {summary.model_uri}  (evaluate: mpsrun eval {summary.run.run_id})", highlight=False)
+
+
+def _other_rank(setup, tracking_uri: Optional[str]) -> None:  # type: ignore[no-untyped-def]
+    from mpsrun.train import runner
+
+    try:
+        runner.execute(setup, tracking_uri, None)
+    except KeyboardInterrupt:
+        raise typer.Exit(EXIT_INTERRUPT) from None
+    except runner.RunFailed as e:
+        err.print(f"[red]failed:[/] {e}", highlight=False)
+        raise typer.Exit(EXIT_FAIL) from None
 
 
 @app.command()

@@ -7,6 +7,7 @@ the speed lives, can grow (losses, clipping, accumulation) in a room of its own.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -119,8 +120,11 @@ class Trainer:
         self.model.train()
         seen = 0
         every = self.options.log_every
-        bs = getattr(plan.train, "batch_size", None) or plan.train.loader.batch_size  # type: ignore[union-attr]
-        groups = micro_batches(plan.train.samples, bs, self.objective.accumulate)
+        if self.objective.accumulate > 1:
+            bs = getattr(plan.train, "batch_size", None) or plan.train.loader.batch_size  # type: ignore[union-attr]
+            groups: Any = micro_batches(plan.train.samples, bs, self.objective.accumulate)
+        else:
+            groups = itertools.repeat((1.0, True, True))
         for step, ((x, y), (weight, first, last)) in enumerate(zip(plan.train, groups), start=1):
             self.train_step(x, y, weight=weight, first=first, last=last)
             seen += y.shape[0]
