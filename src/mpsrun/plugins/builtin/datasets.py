@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch.utils.data import TensorDataset
 
+from mpsrun.plugins.builtin import readers
 from mpsrun.plugins.contract import DataSplits, ImageTransform
 
 _MNIST_FILES = (
@@ -28,7 +29,7 @@ class DatasetUnavailable(Exception):
 
 
 def _has_files(raw: Path) -> bool:
-    return all((raw / f).exists() or (raw / f"{f}.gz").exists() for f in _MNIST_FILES)
+    return all(readers.idx_path(raw, f) is not None for f in _MNIST_FILES)
 
 
 def _subset(x: torch.Tensor, y: torch.Tensor, n: Optional[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,9 +51,6 @@ def _torchvision_mnist(
     normalize: bool,
     seed: int,
 ) -> DataSplits:
-    import torchvision.datasets as tvd
-
-    cls = getattr(tvd, cls_name)
     root_path = Path(root).expanduser()
     raw = root_path / cls_name / "raw"
     if not _has_files(raw):
@@ -62,7 +60,9 @@ def _torchvision_mnist(
                 f"expected {', '.join(f + '.gz' for f in _MNIST_FILES)} there"
             )
         try:
-            cls(str(root_path), train=True, download=True)
+            import torchvision.datasets as tvd  # only to download; reading is numpy's (readers.py)
+
+            getattr(tvd, cls_name)(str(root_path), train=True, download=True)
         except Exception as e:
             raise DatasetUnavailable(
                 f"{cls_name} files not found in {raw.resolve()} and the download failed "
@@ -71,9 +71,14 @@ def _torchvision_mnist(
             ) from None
     splits = []
     for train, n in ((True, subset), (False, val_subset)):
-        ds = cls(str(root_path), train=train, download=False)
-        x = ds.data.unsqueeze(1).contiguous()  # uint8 [N, 1, 28, 28]
-        y = ds.targets.long()
+        prefix = "train" if train else "t10k"
+        try:
+            images = readers.read_idx(readers.idx_path(raw, f"{prefix}-images-idx3-ubyte"))  # type: ignore[arg-type]
+            labels = readers.read_idx(readers.idx_path(raw, f"{prefix}-labels-idx1-ubyte"))  # type: ignore[arg-type]
+        except (OSError, EOFError, readers.IdxFormatError) as e:
+            raise DatasetUnavailable(f"{cls_name} files in {raw.resolve()} cannot be read: {type(e).__name__}: {e}") from None
+        x = torch.from_numpy(images).unsqueeze(1).contiguous()  # uint8 [N, 1, 28, 28]
+        y = torch.from_numpy(labels).long()
         x, y = _subset(x, y, n, seed + (0 if train else 1))
         splits.append(TensorDataset(x, y))
     mean, std = ((0.2860,), (0.3530,)) if cls_name == "FashionMNIST" else ((0.1307,), (0.3081,))
@@ -99,7 +104,7 @@ def fashion_mnist(
     normalize: bool = False,
     seed: int = 0,
 ) -> DataSplits:
-    """Fashion-MNIST (60,000 train / 10,000 test 28x28 images) read with torchvision from ROOT/FashionMNIST/raw.
+    """Fashion-MNIST (60,000 train / 10,000 test 28x28 images) read from the IDX files in ROOT/FashionMNIST/raw (downloaded with torchvision when absent).
 
     resize, rgb (grayscale to 3 channels) and normalize run on the device per batch;
     subset / val_subset take a seeded random subset of each split.
@@ -117,7 +122,7 @@ def mnist(
     normalize: bool = False,
     seed: int = 0,
 ) -> DataSplits:
-    """MNIST handwritten digits (60,000 / 10,000 28x28 images) read with torchvision from ROOT/MNIST/raw.
+    """MNIST handwritten digits (60,000 / 10,000 28x28 images) read from the IDX files in ROOT/MNIST/raw.
 
     Same options as fashion_mnist.
     """
@@ -131,15 +136,13 @@ def digits(val_fraction: float = 0.2, seed: int = 0) -> DataSplits:
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    bunch = load_digits()
-    x = torch.tensor(bunch.images, dtype=torch.uint8).unsqueeze(1)  # values 0..16
-    y = torch.tensor(bunch.target, dtype=torch.long)
-    idx = list(range(len(y)))
-    tr, va = train_test_split(idx, test_size=val_fraction, random_state=seed, stratify=bunch.target)
-    tr_t, va_t = torch.tensor(tr), torch.tensor(va)
+    # Read straight from scikit-learn's bundled csv.gz, split as train_test_split(stratify=)
+    # would: the same arrays and split without importing scikit-learn (readers.py says why).
+    images, target = readers.read_digits()
+    x = torch.tensor(images, dtype=torch.uint8).unsqueeze(1)  # values 0..16
+    y = torch.tensor(target, dtype=torch.long)
+    tr, va = readers.stratified_split(target, val_fraction, seed)
+    tr_t, va_t = torch.from_numpy(tr), torch.from_numpy(va)
     return DataSplits(
         train=TensorDataset(x[tr_t], y[tr_t]),
         val=TensorDataset(x[va_t], y[va_t]),
