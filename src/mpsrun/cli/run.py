@@ -32,13 +32,25 @@ def run(
 ) -> None:
     """Train a recipe and record metrics, timings and device facts in MLflow."""
     resolved = one_cell(resolve_recipe(recipe, overrides))  # a matrix pinned to one cell runs; more: use bench
+    # MLflow set-up starts now, beside the torch import, data and model (track/background.py).
+    from mpsrun.track import background, store
+
+    uri, artifact_root = store.resolve_uri(tracking_uri)
+    try:
+        tracker = background.start(uri, resolved.recipe.tracking.experiment or resolved.path.stem, artifact_root)
+    except background.TrackingSetupError as e:
+        raise bad_input(str(e)) from None
     from mpsrun.train import runner
     from mpsrun.train.progress import BarProgress, QuietProgress
 
     try:
         setup = runner.prepare(resolved)
     except runner.InputError as e:
+        tracker.close(wait=False)
         raise bad_input(str(e)) from None
+    except BaseException:
+        tracker.close(wait=False)
+        raise
     r = setup.resolved.recipe
     console.print(
         f"[bold]mpsrun[/] {recipe}  model={r.model.name} dataset={r.dataset.name} "
@@ -49,7 +61,12 @@ def run(
     )
     progress = QuietProgress(console) if quiet or not console.is_terminal else BarProgress(console)
     try:
-        summary = runner.execute(setup, tracking_uri, progress)
+        summary = runner.execute(setup, tracking_uri, progress, tracker=tracker)
+    except background.TrackingSetupError as e:
+        tracker.close(wait=False)
+        if isinstance(progress, BarProgress):
+            progress.stop()
+        raise bad_input(str(e)) from None
     except KeyboardInterrupt:
         if isinstance(progress, BarProgress):
             progress.stop()

@@ -144,14 +144,21 @@ class Tracker:
 
     def finish(self, status: str, error: BaseException | None = None) -> None:
         """Record the outcome: FINISHED, FAILED (with the error) or KILLED."""
+        if error is None:
+            self.finish_text(status)
+        else:
+            msg = f"{type(error).__name__}: {error}"
+            tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            self.finish_text(status, msg, tb)
+
+    def finish_text(self, status: str, message: str | None = None, tb: str | None = None) -> None:
+        """`finish` with the error already rendered: the MLflow helper process gets text, not the exception."""
         self.flush()
         if self.run_id is None:
             return
-        if error is not None:
-            msg = f"{type(error).__name__}: {error}"
-            self.c.set_tag(self.run_id, "mpsrun.error", msg[:4900])
-            tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-            self.c.log_text(self.run_id, tb, "error.txt")
+        if message is not None:
+            self.c.set_tag(self.run_id, "mpsrun.error", message[:4900])
+            self.c.log_text(self.run_id, tb or message, "error.txt")
         self.c.set_terminated(self.run_id, status)
 
     # -- data

@@ -11,6 +11,7 @@ import inspect
 import random
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -236,13 +237,22 @@ def _version() -> str:
     return __version__
 
 
-def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = None, parent_run_id: str | None = None, tags: dict[str, str] | None = None) -> RunSummary:
-    """Start the MLflow run, train, and record the outcome, whatever it is."""
+def experiment_name(resolved: Resolved) -> str:
+    """The run's MLflow experiment: the recipe's `tracking.experiment`, else the recipe file's name."""
+    return resolved.recipe.tracking.experiment or resolved.path.stem
+
+
+def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = None, parent_run_id: str | None = None, tags: dict[str, str] | None = None, tracker: Any = None) -> RunSummary:
+    """Start the MLflow run, train, and record the outcome, whatever it is.
+
+    `tracker`: one already being set up (`track.background`, started before torch was
+    imported); by default a `store.Tracker` is set up here.
+    """
     r = setup.resolved
     recipe = r.recipe
-    uri, artifact_root = tracking.resolve_uri(tracking_uri)
-    experiment = recipe.tracking.experiment or r.path.stem
-    tracker = tracking.Tracker(uri, experiment, artifact_root)
+    if tracker is None:
+        uri, artifact_root = tracking.resolve_uri(tracking_uri)
+        tracker = tracking.Tracker(uri, experiment_name(r), artifact_root)
     info = tracker.start(recipe.tracking.run_name, {**run_tags(setup), **(tags or {})}, parent_run_id)
     tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": setup.plan.train.samples, "data.val_size": setup.plan.val.samples})
     tracker.log_text(r.as_yaml(), "recipe.yaml")
@@ -279,6 +289,7 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
                 "mlflow_log_time_s": tracker.log_time_s,
                 "mlflow_log_time_during_training_s": tracker.log_time_during_s,
                 "mlflow_handoff_time_s": tracker.handoff_time_s,
+                **({"mlflow_setup_wait_s": tracker.setup_wait_s} if hasattr(tracker, "setup_wait_s") else {}),
             }
         )
         tracker.set_tags({**setup.options.as_params(), "mpsrun.notes": " | ".join(setup.notes + setup.options.notes) or "none"})
