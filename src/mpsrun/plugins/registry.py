@@ -197,15 +197,13 @@ def optimizer_class(name: str) -> type:
 
 def checkable_optimizer(name: str) -> Callable[..., Any]:
     """For argument checks only: torch.optim's class, or its stand-in read from source (no torch import)."""
-    from mpsrun.plugins import signatures
+    from mpsrun.plugins.signatures import optimizer_classes
 
-    static = signatures.optimizer_classes()
+    static = optimizer_classes()
     if static is None:
         return optimizer_class(name)
-    key = name.lower()
-    if key not in static:
-        raise PluginError(f"unknown optimizer '{name}'{did_you_mean(key, list(static))}; available: {', '.join(sorted(static))}")
-    return static[key]
+    # A name not found in the source is looked up in torch itself: "unknown" is always torch's verdict.
+    return static.get(name.lower()) or optimizer_class(name)
 
 
 # ----------------------------------------------------------------------------- recipe checks
@@ -214,9 +212,9 @@ def checkable_optimizer(name: str) -> Callable[..., Any]:
 def checkable(ref: PluginRef, listing: bool = False) -> Callable[..., Any]:
     """For argument checks and listings only: a built-in plugin's stand-in read from source
     (signature, hints, docstring; no torch import), else the loaded plugin (`signatures.py`)."""
-    from mpsrun.plugins import signatures
+    from mpsrun.plugins.signatures import builtin_plugin
 
-    return signatures.builtin_plugin(ref.value, ref.distribution, listing) or ref.load()
+    return builtin_plugin(ref.value, ref.distribution, listing) or ref.load()
 
 
 

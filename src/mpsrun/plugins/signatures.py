@@ -70,7 +70,7 @@ def _optimizers() -> dict[str, Callable[..., Any]] | None:
     if spec is None or spec.origin is None:
         return None
     optim = Path(spec.origin).parent / "optim"
-    out: dict[str, Callable[..., Any]] = {}
+    exported: list[tuple[str, ast.ClassDef, ast.Module, Path]] = []  # what `torch.optim` re-exports, as written
     for node in _parse(str(optim / "__init__.py")).body:
         if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.optim.")):
             continue
@@ -80,16 +80,21 @@ def _optimizers() -> dict[str, Callable[..., Any]] | None:
         tree = _parse(str(src))
         for alias in node.names:
             cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == alias.name), None)
-            if cls is None or not any(isinstance(b, ast.Name) and b.id == "Optimizer" for b in cls.bases):
-                continue
-            init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
-            if init is None:
-                return None
-            extra = {"Tensor": Tensor, "ParamsT": Any}
-            fn = _stand_in(init, tree, str(src), extra, name=alias.asname or alias.name, method=True)
-            if fn is None:
-                return None  # one we cannot read faithfully: import torch for all
-            out[(alias.asname or alias.name).lower()] = fn
+            if cls is not None and (alias.asname or alias.name) == alias.name:
+                exported.append((alias.name, cls, tree, src))
+    optimizers = {"Optimizer"}
+    for _ in exported:  # subclasses of subclasses (AdamW(Adam)), whatever the order
+        optimizers |= {n for n, c, _, _ in exported if any(isinstance(b, ast.Name) and b.id in optimizers for b in c.bases)}
+    out: dict[str, Callable[..., Any]] = {}
+    for name, cls, tree, src in exported:
+        if name not in optimizers or name == "Optimizer":
+            continue
+        init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+        extra = {"Tensor": Tensor, "ParamsT": Any}
+        fn = None if init is None else _stand_in(init, tree, str(src), extra, name=name, method=True)
+        if fn is None:
+            return None  # one we cannot read faithfully (an inherited __init__, say): import torch for all
+        out[name.lower()] = fn
     return out or None
 
 
