@@ -166,7 +166,9 @@ class BackgroundTracker:
             tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
             self._remote.call("finish_text", status, f"{type(error).__name__}: {error}", tb)
         self._final = self._remote.values()  # log_time_s and friends stay readable after the helper ends
-        self.close()
+        # finish_text has answered, so the run is written and marked; the helper's own exit
+        # (tearing down mlflow and SQLAlchemy) need not hold up this process's.
+        self.close(wait=False)
 
     def close(self, wait: bool = True) -> None:
         """Stop the helper (it writes what it holds, then exits); safe to call twice.
