@@ -34,9 +34,10 @@ def test_digits_recipe_acceptance(work) -> None:
     assert run.data.params["optimizer.name"] == "adam"
     assert run.data.params["model.hidden"] == "[128, 64]"
     assert "steady_epoch_time_s" in run.data.metrics and "first_epoch_time_s" in run.data.metrics
-    assert 0 < run.data.metrics["mlflow_log_time_s"] < run.data.metrics["total_train_time_s"]
+    assert 0 < run.data.metrics["mpsrun/mlflow_log_time_s"] < run.data.metrics["total_train_time_s"]
     arts = {a.path for a in work.client().list_artifacts(run.info.run_id)}
-    assert {"recipe.yaml", "model.pt"} <= arts
+    assert {"recipe.yaml", "figures"} <= arts
+    assert run.data.tags["mpsrun.model_uri"] == f"runs:/{run.info.run_id}/model"
     # artifacts live under the embedded store, next to the database
     assert (work.path / "mlruns" / "artifacts").is_dir()
 
@@ -56,7 +57,7 @@ def test_dataloader_path_trains_and_is_recorded(work) -> None:
     assert r.exit_code == 0, r.output
     run = work.runs("digits_mlp")[0]
     assert run.data.tags["data.path"] == "dataloader"
-    assert "model.pt" not in {a.path for a in work.client().list_artifacts(run.info.run_id)}
+    assert "mpsrun.model_uri" not in run.data.tags
     assert run.data.tags["mpsrun.model_artifact"].startswith("skipped")
     assert run.data.metrics["val_accuracy"] > 0.2
 

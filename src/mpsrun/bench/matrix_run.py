@@ -199,6 +199,8 @@ def _run_cell(
         "bench.repeat": str(repeat),
     }
     engine_listener = listener.on_cell_start(n, p.total, cell, repeat)
+    if "checkpoint" not in cell.resolved.source.data:  # timing cells: no checkpoints unless the recipe asks
+        cell.resolved.recipe.checkpoint.every = 0
     setup = None
     try:
         try:

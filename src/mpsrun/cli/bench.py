@@ -78,12 +78,15 @@ def bench(
     )
     for note in plan.notes:
         console.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)
+    from mpsrun.train import interrupt
+
     try:
-        result = benchmod.run(plan, tracking_uri, Printer(), out)
-    except KeyboardInterrupt:
-        err.print("[yellow]interrupted:[/] the bench's parent run and the running cell are marked KILLED; "
+        with interrupt.stop_on_signals():  # SIGINT/SIGTERM: the running cell and the parent end KILLED, exit 130/143
+            result = benchmod.run(plan, tracking_uri, Printer(), out)
+    except KeyboardInterrupt as e:
+        err.print(f"[yellow]interrupted ({getattr(e, 'name', 'SIGINT')}):[/] the bench's parent run and the running cell are marked KILLED; "
                   "`mpsrun compare` shows what finished")
-        raise typer.Exit(EXIT_INTERRUPT) from None
+        raise typer.Exit(interrupt.exit_code(e)) from None
     comparemod.render(result.table, console)
     where = f" and in {out}" if out else ""
     console.print(f"results.csv, results.md, results.png: artifacts of parent run {result.parent.run_id}{where}", highlight=False, soft_wrap=True)

@@ -60,18 +60,22 @@ def run(
         highlight=False,
     )
     progress = QuietProgress(console) if quiet or not console.is_terminal else BarProgress(console)
+    from mpsrun.train import interrupt
+
     try:
-        summary = runner.execute(setup, tracking_uri, progress, tracker=tracker)
+        with interrupt.stop_on_signals():  # SIGINT/SIGTERM: checkpoint, flush, KILLED, exit 130/143
+            summary = runner.execute(setup, tracking_uri, progress, tracker=tracker)
     except background.TrackingSetupError as e:
         tracker.close(wait=False)
         if isinstance(progress, BarProgress):
             progress.stop()
         raise bad_input(str(e)) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if isinstance(progress, BarProgress):
             progress.stop()
-        err.print("[yellow]interrupted:[/] the MLflow run is marked KILLED")
-        raise typer.Exit(EXIT_INTERRUPT) from None
+        err.print(f"[yellow]interrupted ({getattr(e, 'name', 'SIGINT')}):[/] the MLflow run is marked KILLED; "
+                  "`mpsrun runs` shows the command to resume it", highlight=False)
+        raise typer.Exit(interrupt.exit_code(e)) from None
     except runner.RunFailed as e:
         if isinstance(progress, BarProgress):
             progress.stop()
@@ -86,6 +90,8 @@ def run(
         highlight=False,
     )
     console.print(f"MLflow: {summary.run.ui_hint()}  (browse: mpsrun ui)", highlight=False)
+    if summary.model_uri:
+        console.print(f"model: {summary.model_uri}  (evaluate: mpsrun eval {summary.run.run_id})", highlight=False)
 
 
 @app.command()

@@ -8,6 +8,7 @@ the models without either importing the other.
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
@@ -30,12 +31,19 @@ class PluginSection(BaseModel):
         return dict(self.model_extra or {})
 
 
+# `tracking.register` is the user-facing key; pydantic warns that it shadows ABCMeta's
+# `register` classmethod on instances, which nothing here uses.
+warnings.filterwarnings("ignore", message='Field name "register"', category=UserWarning)
+
+
 class TrackingSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
     experiment: str | None = None
     run_name: str | None = None
     tags: dict[str, str] = Field(default_factory=dict)
-    log_model: bool = Field(True, description="save the final weights as the run's model.pt artifact")
+    log_model: bool = Field(True, description="log the trained model with mlflow.pytorch (artifact `model`: signature, input example, requirements)")
+    register: str | None = Field(None, description="register the logged model as a new version of this registered model")
+    system_metrics: bool = Field(True, description="sample CPU, memory, disk, network and GPU (NVIDIA, MPS) as system/... metrics")
 
     @field_validator("tags", mode="before")
     @classmethod
@@ -53,6 +61,16 @@ class LoaderSection(BaseModel):
     num_workers: int = Field(0, ge=0)
     persistent_workers: bool = True
     pin_memory: Union[Auto, bool] = "auto"
+
+
+class CheckpointSection(BaseModel):
+    """End-of-epoch checkpoints, kept with the run (its artifacts) so `mpsrun resume` continues it."""
+
+    model_config = ConfigDict(extra="forbid")
+    every: int = Field(1, ge=0, description="epochs between checkpoints (0: off; `mpsrun bench` cells default to 0)")
+    keep: int = Field(1, ge=1, description="recent epoch checkpoints kept (the newest is always checkpoints/last.pt)")
+    monitor: str = Field("val_loss", description="metric that picks the best checkpoint (checkpoints/best.pt)")
+    mode: Literal["min", "max"] = Field("min", description="whether a lower (min) or higher (max) monitor is better")
 
 
 def _matrix_key(key: str) -> str:
@@ -100,6 +118,13 @@ class Recipe(BaseModel):
     )
     log_every: int = Field(
         0, ge=0, description="steps between progress reads of the loss (0: once per epoch)"
+    )
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    on_nonfinite: Literal["stop", "warn"] = Field(
+        "stop", description="a NaN or infinite loss read at an epoch end: stop (run FAILED, exit 1) or warn and go on"
+    )
+    model_from: Literal["best", "last"] = Field(
+        "best", description="weights logged and evaluated at the end: the best checkpoint's (by checkpoint.monitor) or the last epoch's"
     )
     canary: Literal["on", "warn", "off"] = Field(
         "on",
@@ -151,9 +176,9 @@ def key_problem(key: str) -> str | None:
         return "tracking settings cannot vary: every cell is a child run of one parent, in one experiment"
     if len(parts) == 1 or ann is PluginSection:
         return None  # plugin arguments are checked against the plugin's signature, per cell
-    if ann is LoaderSection:
-        sub = list(LoaderSection.model_fields)
+    if ann in (LoaderSection, CheckpointSection):
+        sub = list(ann.model_fields)
         if parts[1] not in sub:
-            return f"unknown recipe path{did_you_mean(parts[1], sub)}; loader keys: {', '.join(sub)}"
+            return f"unknown recipe path{did_you_mean(parts[1], sub)}; {top} keys: {', '.join(sub)}"
         return None if len(parts) == 2 else f"'{top}.{parts[1]}' is a value, not a section"
     return f"'{top}' is a value, not a section"

@@ -15,8 +15,9 @@ process never imports mlflow at all; every Tracker call becomes a round trip ove
 a pipe (about a tenth of a millisecond, outside the step loop: per epoch at most).
 `benchmarks/wall.py --helpers` measures the three side by side.
 
-Mode: `MPSRUN_MLFLOW_HELPER=process|thread|inline|auto` (default auto: process on a
-machine with 2 or more cores when mlflow is not imported yet, else thread). The mode
+Mode: `MPSRUN_MLFLOW_HELPER=process|thread|inline|auto` (default auto: thread, because
+the run's record hooks in train/record.py use MLflow's client in the training process
+itself; in process mode they get a client of their own there, `c`). The mode
 is tagged on the run (`mpsrun.mlflow_helper`) and the time the main thread waited for
 set-up is logged (`mlflow_setup_wait_s`). A set-up failure is raised, with its
 original message, from the first call that needs the run: `TrackingSetupError`.
@@ -51,11 +52,11 @@ def choose_mode(requested: str | None = None) -> tuple[str, str]:
         raise TrackingSetupError(f"{ENV_MODE}={raw!r} is not one of {', '.join(MODES)}")
     if raw != "auto":
         return raw, f"{ENV_MODE}={raw}" if not requested else "requested"
-    if "mlflow" in sys.modules:
-        return "thread", "auto: mlflow already imported in this process"
-    if (os.cpu_count() or 1) < 2:
-        return "thread", "auto: one CPU core, a helper process could not run beside"
-    return "process", "auto"
+    # The run's record hooks (train/record.py: dataset inputs, system metrics, figures, the
+    # logged model) use MLflow's client in this process right after the run starts, so mlflow
+    # is imported here anyway: a thread that warms it (import, store checks) while torch
+    # imports is what pays. A helper process pays only where those hooks move to it.
+    return "thread", "auto"
 
 
 def start(uri: str, experiment: str, artifact_root: str | None = None, mode: str | None = None) -> "BackgroundTracker":
@@ -81,6 +82,7 @@ class BackgroundTracker:
         self._remote: _Remote | None = None
         self._handoff_s = 0.0
         self._final: dict[str, Any] | None = None
+        self._client: Any = None
         if self.mode == "thread":
             self._thread = threading.Thread(target=self._warm, name="mpsrun-mlflow-setup", daemon=True)
             self._thread.start()
@@ -189,6 +191,10 @@ class BackgroundTracker:
             raise AttributeError(name)
         if self._remote is None:
             return getattr(self._need(), name)
+        if name == "c":  # MLflow's client, for code that calls it directly (train/record.py): one of this process's own
+            if self._client is None:
+                self._client = store.client(self.uri)
+            return self._client
         if self._final is not None and name in self._final:
             return self._final[name]
         return self._remote.attribute(name)

@@ -93,6 +93,7 @@ class Tracker:
         self.run_id: str | None = None
         self._pending: list[Any] = []
         self._lock = threading.Lock()
+        self._io_lock = threading.Lock()  # one writer at a time, so `sync` returns only once all is written
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._errors: list[str] = []
@@ -118,6 +119,10 @@ class Tracker:
         self._write_pending()
 
     def _write_pending(self) -> None:
+        with self._io_lock:
+            self._write_pending_locked()
+
+    def _write_pending_locked(self) -> None:
         with self._lock:
             items, self._pending = self._pending, []
         if not items:
@@ -141,6 +146,20 @@ class Tracker:
             self._thread = None
         self._write_pending()
         return self._errors
+
+    def sync(self) -> list[str]:
+        """Write everything buffered now and keep the worker: a checkpoint calls it so its epoch's metrics are durable first."""
+        self._write_pending()
+        return self._errors
+
+    def attach(self, run_id: str) -> RunInfo:
+        """Continue an existing run (`mpsrun resume`): mark it RUNNING again and start the metric writer."""
+        self.c.update_run(run_id, status="RUNNING")
+        self.run_id = run_id
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._work, name="mpsrun-mlflow", daemon=True)
+        self._thread.start()
+        return RunInfo(run_id, self.experiment_id, self.experiment, self.uri)
 
     def finish(self, status: str, error: BaseException | None = None) -> None:
         """Record the outcome: FINISHED, FAILED (with the error) or KILLED."""

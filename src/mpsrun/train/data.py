@@ -20,6 +20,16 @@ from torch.utils.data import DataLoader, Dataset
 Transform = Optional[Callable[[torch.Tensor], torch.Tensor]]
 
 
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The shuffle seed of one epoch: a pure function of (seed, epoch).
+
+    So an epoch's data order does not depend on how many epochs ran before it in
+    this process, and a run resumed from a checkpoint sees exactly the batches an
+    uninterrupted run would have seen.
+    """
+    return (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + 1) % 2**63
+
+
 def raw_tensors(ds: Dataset) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(inputs, labels) when a dataset exposes them (TensorDataset), else None."""
     tensors = getattr(ds, "tensors", None)
@@ -54,7 +64,12 @@ class ResidentBatches:
         self.batch_size = batch_size
         self.device = device
         self.shuffle = shuffle
+        self.seed = seed
         self._gen = torch.Generator().manual_seed(seed)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reseed the shuffle for `epoch` (the engine calls it at each epoch start)."""
+        self._gen.manual_seed(epoch_seed(self.seed, epoch))
 
     def __len__(self) -> int:
         return math.ceil(self.n / self.batch_size)
@@ -106,8 +121,14 @@ class LoaderBatches:
             **kwargs,
         )
         self.samples = len(ds)  # samples per epoch (len() is batches)
+        self.seed = seed
         self.device = device
         self.non_blocking = pin
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reseed the sampler's generator for `epoch` (the sampler and worker seeds draw from it)."""
+        if self.loader.generator is not None:
+            self.loader.generator.manual_seed(epoch_seed(self.seed, epoch))
 
     def __len__(self) -> int:
         return len(self.loader)

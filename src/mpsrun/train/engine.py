@@ -157,6 +157,8 @@ def train(
     callbacks.on_fit_start(state)
     for epoch in range(start_epoch, epochs):
         state.epoch = epoch
+        for batches in (plan.train, plan.val):  # data order: a pure function of (seed, epoch), so resume is exact
+            getattr(batches, "set_epoch", lambda e: None)(epoch)
         callbacks.on_epoch_start(state, epoch)
         trainer.loss_sum.zero_()
         devices.synchronize(device)

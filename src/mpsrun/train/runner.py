@@ -24,7 +24,10 @@ from mpsrun.plugins.contract import DataSplits
 from mpsrun.recipe.load import Resolved, flatten
 from mpsrun.recipe.model import Recipe
 from mpsrun.track import store as tracking
-from mpsrun.train.callbacks import Callback, Callbacks, RunState
+from mpsrun.track.standard import bookkeeping
+from mpsrun.train import record
+from mpsrun.train.callbacks import Callback, Callbacks, RunState  # noqa: F401 - Callbacks: public here
+from mpsrun.train.continuity import Continuity, ResumePoint
 from mpsrun.train.data import BatchPlan, plan_batches
 from mpsrun.train.engine import Listener, Listeners, Options, TrainResult, train
 
@@ -62,6 +65,7 @@ class RunSummary:
     result: TrainResult
     setup: Setup
     mlflow_log_time_s: float
+    model_uri: str | None = None  # runs:/ID/model, or models:/NAME/VERSION when registered
 
 
 def seed_everything(seed: int) -> None:
@@ -242,8 +246,8 @@ def experiment_name(resolved: Resolved) -> str:
     return resolved.recipe.tracking.experiment or resolved.path.stem
 
 
-def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = None, parent_run_id: str | None = None, tags: dict[str, str] | None = None, tracker: Any = None) -> RunSummary:
-    """Start the MLflow run, train, and record the outcome, whatever it is.
+def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = None, parent_run_id: str | None = None, tags: dict[str, str] | None = None, resume: ResumePoint | None = None, experiment: str | None = None, tracker: Any = None) -> RunSummary:
+    """Start the MLflow run (or continue one: `resume`), train, and record the outcome, whatever it is.
 
     `tracker`: one already being set up (`track.background`, started before torch was
     imported); by default a `store.Tracker` is set up here.
@@ -252,9 +256,16 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
     recipe = r.recipe
     if tracker is None:
         uri, artifact_root = tracking.resolve_uri(tracking_uri)
-        tracker = tracking.Tracker(uri, experiment_name(r), artifact_root)
-    info = tracker.start(recipe.tracking.run_name, {**run_tags(setup), **(tags or {})}, parent_run_id)
-    tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": setup.plan.train.samples, "data.val_size": setup.plan.val.samples})
+        experiment = experiment or experiment_name(r)
+        tracker = tracking.Tracker(uri, experiment, artifact_root)
+    all_tags = {**run_tags(setup), **(tags or {})}
+    if resume is None:
+        info = tracker.start(recipe.tracking.run_name or record.default_run_name(setup), all_tags, parent_run_id)
+    else:  # the same run goes on; its params stay as first logged (MLflow params are immutable)
+        info = tracker.attach(resume.run_id)
+    rec = record.begin(tracker, setup, recipe.tracking.system_metrics)  # experiment kind, standard tags, datasets, system metrics
+    if resume is None:
+        tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": setup.plan.train.samples, "data.val_size": setup.plan.val.samples})
     tracker.log_text(r.as_yaml(), "recipe.yaml")
     if setup.splits.info:  # e.g. tabular's category vocabularies: needed to use the weights later
         import json
@@ -263,14 +274,17 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
 
     class _Log(Listener):
         def on_epoch_end(self, m):  # type: ignore[no-untyped-def]
-            tracker.log_metrics(m.metrics(), step=m.epoch)
+            tracker.log_metrics({**m.metrics(), "mpsrun/epochs_done": m.epoch + 1}, step=m.epoch)
 
     listeners = Listeners(listener, _Log())
-    for note in setup.notes + setup.options.notes:
+    for note in setup.notes + setup.options.notes + rec.notes:
         listeners.on_note(note)
+    setup.notes.extend(rec.notes)
+    keep = Continuity(setup, tracker, all_tags, listeners.on_note, resume)  # liveness, non-finite guard, checkpoints
+    listeners.items.append(keep.guard.listener)
+    state = RunState(setup.model, setup.optimizer, setup.choice.device, recipe.epochs, log=tracker)
     try:
         canary.guard(setup, tracker.set_tags, listeners.on_note)  # wrong-answer ops stop the run here
-        state = RunState(setup.model, setup.optimizer, setup.choice.device, recipe.epochs, log=tracker)
         result = train(
             setup.model,
             setup.optimizer,
@@ -279,34 +293,50 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
             recipe.epochs,
             setup.options,
             listeners,
-            callbacks=Callbacks(*setup.callbacks),
+            callbacks=keep.callbacks([*setup.callbacks, record.callback(rec)]),
             state=state,
+            start_epoch=keep.start_epoch,
         )
+        keep.after_fit(state, setup.model)  # model_from: best puts the best weights back before they are logged
         tracker.log_metrics(result.summary())
         errors = tracker.flush()
         tracker.log_metrics(
-            {
-                "mlflow_log_time_s": tracker.log_time_s,
-                "mlflow_log_time_during_training_s": tracker.log_time_during_s,
-                "mlflow_handoff_time_s": tracker.handoff_time_s,
-                **({"mlflow_setup_wait_s": tracker.setup_wait_s} if hasattr(tracker, "setup_wait_s") else {}),
-            }
+            bookkeeping(
+                {
+                    "mlflow_log_time_s": tracker.log_time_s,
+                    "mlflow_log_time_during_training_s": tracker.log_time_during_s,
+                    "mlflow_handoff_time_s": tracker.handoff_time_s,
+                    **({"mlflow_setup_wait_s": tracker.setup_wait_s} if hasattr(tracker, "setup_wait_s") else {}),
+                }
+            )
         )
+        seen = len(rec.notes)
+        record.end(rec, result)  # figures, description, the logged (and registered) model
+        record.stop(rec)
+        for note in rec.notes[seen:]:
+            listeners.on_note(note)
+            setup.notes.append(note)
+        tracker.log_metrics(bookkeeping(rec.timings))
         tracker.set_tags({**setup.options.as_params(), "mpsrun.notes": " | ".join(setup.notes + setup.options.notes) or "none"})
         if errors:
             tracker.set_tags({"mpsrun.logging_errors": " | ".join(errors)})
-        if recipe.tracking.log_model:
-            tracker.log_state_dict(_unwrap(setup.model).state_dict())
-        else:
+        if not recipe.tracking.log_model:
             tracker.set_tags({"mpsrun.model_artifact": "skipped (tracking.log_model: false)"})
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        record.stop(rec)
+        keep.interrupted(e, state.epoch)
+        keep.close()
         tracker.finish("KILLED")
         raise
     except Exception as e:
+        record.stop(rec)
+        keep.close()
         tracker.finish("FAILED", e)
         raise RunFailed(f"{type(e).__name__}: {e}", info.run_id) from e
+    keep.close()
     tracker.finish("FINISHED")
-    return RunSummary(info, result, setup, tracker.log_time_s)
+    model_uri = rec.model.registered or rec.model.model_uri if rec.model else None
+    return RunSummary(info, result, setup, tracker.log_time_s, model_uri)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

@@ -1,0 +1,119 @@
+"""`resume`, `runs`: continue an interrupted run in the same MLflow run; list runs with their real state."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from typing import List, Optional
+
+import typer
+
+from mpsrun.cli.common import EXIT_FAIL, app, bad_input, console, err, recipe_errors
+
+UriOpt = typer.Option(
+    None, "--tracking-uri", help="MLflow tracking URI; default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlruns/mlflow.db."
+)
+
+
+def _resume_hint(run_id: str, tracking_uri: str | None) -> str:
+    return f"mpsrun resume {run_id}" + (f" --tracking-uri {tracking_uri}" if tracking_uri else "")
+
+
+@app.command()
+def resume(
+    run_id: str = typer.Argument(..., help="The MLflow run id to continue (see `mpsrun runs`).", show_default=False),
+    overrides: Optional[List[str]] = typer.Argument(
+        None, help="Overrides on the run's logged recipe, e.g. epochs=30 to train a finished run further.", show_default=False
+    ),
+    tracking_uri: Optional[str] = UriOpt,
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="One line per epoch instead of progress bars."),
+) -> None:
+    """Continue an interrupted run (KILLED, FAILED, or RUNNING with its process gone) from its last checkpoint."""
+    from mpsrun.track import store as tracking
+    from mpsrun.train import interrupt, runner
+    from mpsrun.train import resume as resumemod
+    from mpsrun.train.progress import BarProgress, QuietProgress
+
+    uri, _ = tracking.resolve_uri(tracking_uri)
+    try:
+        with recipe_errors():
+            p = resumemod.plan(uri, run_id, overrides or [])
+    except resumemod.ResumeRefused as e:
+        raise bad_input(str(e)) from None
+    try:
+        setup = runner.prepare(p.resolved)
+    except runner.InputError as e:
+        raise bad_input(str(e)) from None
+    r = setup.resolved.recipe
+    console.print(
+        f"[bold]mpsrun resume[/] {run_id} ({p.status}) experiment '{p.experiment}': epochs {p.point.start_epoch + 1}..{r.epochs} "
+        f"of {r.epochs} on {setup.choice.device}",
+        highlight=False,
+    )
+    progress = QuietProgress(console) if quiet or not console.is_terminal else BarProgress(console)
+    try:
+        with interrupt.stop_on_signals():
+            summary = runner.execute(setup, tracking_uri, progress, resume=p.point, experiment=p.experiment)
+    except KeyboardInterrupt as e:
+        if isinstance(progress, BarProgress):
+            progress.stop()
+        err.print(f"[yellow]interrupted ({getattr(e, 'name', 'SIGINT')}):[/] run {run_id} is marked KILLED; "
+                  f"go on with: {_resume_hint(run_id, tracking_uri)}", highlight=False)
+        raise typer.Exit(interrupt.exit_code(e)) from None
+    except runner.RunFailed as e:
+        if isinstance(progress, BarProgress):
+            progress.stop()
+        err.print(f"[red]failed:[/] {e} (MLflow run {e.run_id} marked FAILED, traceback in its error.txt)", highlight=False)
+        raise typer.Exit(EXIT_FAIL) from None
+    finally:
+        shutil.rmtree(p.workdir, ignore_errors=True)
+    s = summary.result.summary()
+    console.print(f"done: val_acc {s['final_val_accuracy']:.4f}  val_loss {s['final_val_loss']:.4f}", highlight=False)
+    console.print(f"MLflow: {summary.run.ui_hint()}  (browse: mpsrun ui)", highlight=False)
+
+
+@app.command()
+def runs(
+    experiment: Optional[str] = typer.Option(None, "--experiment", "-e", help="Only this experiment's runs."),
+    limit: int = typer.Option(20, "--limit", "-n", min=1, help="How many recent runs."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    tracking_uri: Optional[str] = UriOpt,
+) -> None:
+    """Recent runs with their real state: a RUNNING run whose process is gone shows as INTERRUPTED."""
+    from mpsrun.track import store as tracking
+    from mpsrun.track.runs import experiment_names, list_runs
+
+    uri, _ = tracking.resolve_uri(tracking_uri)
+    try:
+        rows = list_runs(uri, experiment, limit)
+    except LookupError:
+        from mpsrun.recipe.problems import did_you_mean
+
+        raise bad_input(f"no experiment '{experiment}' in {uri}{did_you_mean(experiment or '', experiment_names(uri))}") from None
+    if as_json:
+        print(json.dumps([{**r.as_dict(), "resume": _resume_hint(r.run_id, tracking_uri) if r.resumable else None} for r in rows], indent=2))
+        return
+    if not rows:
+        console.print(f"no runs in {uri}", highlight=False)
+        return
+    from rich.table import Table
+
+    t = Table(box=None, pad_edge=False)
+    for col in ("run id", "experiment", "name", "status", "device", "epochs", "best", "started"):
+        t.add_column(col, no_wrap=col in ("run id", "status", "epochs"), overflow="fold")
+    colour = {"FINISHED": "green", "FAILED": "red", "KILLED": "yellow", "INTERRUPTED": "yellow", "RUNNING": "cyan"}
+    for r in rows:
+        done = "?" if r.epochs_done is None else str(r.epochs_done)
+        planned = "?" if r.epochs_planned is None else str(r.epochs_planned)
+        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.start_time / 1000)) if r.start_time else ""
+        t.add_row(r.run_id, r.experiment, r.name, f"[{colour.get(r.shown, 'white')}]{r.shown}[/]", r.device, f"{done}/{planned}", r.best, started)
+    console.print(t)
+    for r in rows:
+        if r.shown == "INTERRUPTED":
+            console.print(f"{r.run_id}: RUNNING in MLflow but its process is gone ({r.why})", highlight=False, soft_wrap=True)
+    todo = [r for r in rows if r.resumable]
+    if todo:
+        console.print("resume with:", highlight=False)
+        for r in todo:
+            console.print(f"  {_resume_hint(r.run_id, tracking_uri)}", highlight=False, soft_wrap=True)
