@@ -49,12 +49,16 @@ tracking: {experiment: quick}
 """
 
 
+def _env(work: Any) -> dict[str, str]:
+    return {**ENV, "TMPDIR": str(work.path)}  # a SIGKILLed run's local checkpoint copies stay in the test's folder
+
+
 def cli_proc(work: Any, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([MPSRUN, *args], cwd=work.path, env=ENV, capture_output=True, text=True, timeout=300)
+    return subprocess.run([MPSRUN, *args], cwd=work.path, env=_env(work), capture_output=True, text=True, timeout=300)
 
 
 def start(work: Any, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([MPSRUN, *args], cwd=work.path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen([MPSRUN, *args], cwd=work.path, env=_env(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def wait_for_checkpoint(work: Any, experiment: str, epoch: int, proc: subprocess.Popen, timeout: float = 120) -> str:

@@ -141,8 +141,11 @@ class Result:
         return self.table.failed
 
 
-def run(p: Plan, tracking_uri: str | None, listener: BenchListener | None = None, out: Path | None = None) -> Result:
-    """Run every cell and repeat under one parent run; log the table, CSV, Markdown and chart on it."""
+def run(p: Plan, tracking_uri: str | None, listener: BenchListener | None = None, out: Path | None = None, cells_runner: Any = None, parallel: int = 1) -> Result:
+    """Run every cell and repeat under one parent run; log the table, CSV, Markdown and chart on it.
+
+    `cells_runner` (bench.parallel's) replaces the one-at-a-time loop: same cells, same child runs.
+    """
     listener = listener or BenchListener()
     r = p.resolved
     uri, artifact_root = tracking.resolve_uri(tracking_uri)
@@ -157,6 +160,7 @@ def run(p: Plan, tracking_uri: str | None, listener: BenchListener | None = None
         "bench.cells": str(len(p.cells)),
         "bench.repeats": str(p.repeats),
         "bench.baseline": p.baseline or "none",
+        "bench.parallel": str(parallel),  # cells running side by side share the machine
         **r.recipe.tracking.tags,
     }
     info = parent.start(r.recipe.tracking.run_name or f"bench {r.path.stem}", tags)
@@ -166,7 +170,9 @@ def run(p: Plan, tracking_uri: str | None, listener: BenchListener | None = None
         plan_doc = {"axes": p.axes, "repeats": p.repeats, "cells": [{"index": c.index, "values": c.values, "run": c.assignments()} for c in p.cells]}
         parent.log_text(json.dumps(plan_doc, indent=2, default=str), "plan.json")
         n = 0
-        for repeat in range(p.repeats):
+        if cells_runner is not None:
+            cells_runner(p, info, tracking_uri, uri, artifact_root, listener)
+        for repeat in range(p.repeats if cells_runner is None else 0):
             for cell in p.cells:
                 n += 1
                 _run_cell(p, cell, repeat, n, info, tracking_uri, uri, artifact_root, listener)

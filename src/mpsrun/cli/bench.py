@@ -34,6 +34,10 @@ def bench(
     out: Optional[Path] = typer.Option(None, "--out", help="Also write results.csv, results.md and results.png to this folder."),
     tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow tracking URI; default as for `run`."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="One line per epoch of every cell."),
+    parallel: int = typer.Option(
+        1, "--parallel", min=1, help="Run up to N cells at once, each in its own process (one GPU each via CUDA_VISIBLE_DEVICES; "
+        "on the CPU they share the cores). Timings are then of cells sharing the machine (tag bench.parallel).",
+    ),
 ) -> None:
     """Run every cell of the recipe's `matrix:` (x `repeats:`) as child runs of one MLflow run; print the speed-up table.
 
@@ -80,13 +84,21 @@ def bench(
         console.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)
     from mpsrun.train import interrupt
 
+    runner_ = None
+    parallel_notes: list[str] = []
+    if parallel > 1:
+        from mpsrun.bench import parallel as parallelmod
+
+        runner_ = parallelmod.cells_runner(parallel, parallel_notes)
     try:
         with interrupt.stop_on_signals():  # SIGINT/SIGTERM: the running cell and the parent end KILLED, exit 130/143
-            result = benchmod.run(plan, tracking_uri, Printer(), out)
+            result = benchmod.run(plan, tracking_uri, Printer(), out, cells_runner=runner_, parallel=parallel)
     except KeyboardInterrupt as e:
         err.print(f"[yellow]interrupted ({getattr(e, 'name', 'SIGINT')}):[/] the bench's parent run and the running cell are marked KILLED; "
                   "`mpsrun compare` shows what finished")
         raise typer.Exit(interrupt.exit_code(e)) from None
+    for note in parallel_notes:
+        console.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)
     comparemod.render(result.table, console)
     where = f" and in {out}" if out else ""
     console.print(f"results.csv, results.md, results.png: artifacts of parent run {result.parent.run_id}{where}", highlight=False, soft_wrap=True)

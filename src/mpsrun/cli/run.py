@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -29,29 +30,47 @@ def run(
         None, "--tracking-uri", help="MLflow tracking URI; default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlruns/mlflow.db."
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="One line per epoch instead of progress bars."),
+    nproc: int = typer.Option(
+        1, "--nproc", min=1, help="Data-parallel ranks on this machine through torch.distributed (gloo on cpu, NCCL on cuda, "
+        "one GPU per rank); batch_size stays the global batch. Across machines: torchrun ... -m mpsrun run RECIPE.",
+    ),
 ) -> None:
     """Train a recipe and record metrics, timings and device facts in MLflow."""
     resolved = one_cell(resolve_recipe(recipe, overrides))  # a matrix pinned to one cell runs; more: use bench
-    # MLflow set-up starts now, beside the torch import, data and model (track/background.py).
-    from mpsrun.track import background, store
+    if nproc > 1:  # N copies of this command, started by torch's elastic agent (as torchrun does)
+        from mpsrun.cli.ranks import launch_ranks
 
-    uri, artifact_root = store.resolve_uri(tracking_uri)
-    try:
-        tracker = background.start(uri, resolved.recipe.tracking.experiment or resolved.path.stem, artifact_root)
-    except background.TrackingSetupError as e:
-        raise bad_input(str(e)) from None
+        return launch_ranks(resolved, recipe, overrides or [], tracking_uri, quiet, nproc)
+    # MLflow set-up starts now, beside the torch import, data and model (track/background.py).
+    # Not in a rank of a multi-process job (RANK and WORLD_SIZE > 1, as train.distributed.from_env
+    # reads them; not imported here, it imports torch): there distributed.tracker decides who logs.
+    tracker = None
+    if not ("RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1")):
+        from mpsrun.track import background, store
+
+        uri, artifact_root = store.resolve_uri(tracking_uri)
+        try:
+            tracker = background.start(uri, resolved.recipe.tracking.experiment or resolved.path.stem, artifact_root)
+        except background.TrackingSetupError as e:
+            raise bad_input(str(e)) from None
     from mpsrun.train import runner
     from mpsrun.train.progress import BarProgress, QuietProgress
 
     try:
         setup = runner.prepare(resolved)
     except runner.InputError as e:
-        tracker.close(wait=False)
+        if tracker is not None:
+            tracker.close(wait=False)
         raise bad_input(str(e)) from None
     except BaseException:
-        tracker.close(wait=False)
+        if tracker is not None:
+            tracker.close(wait=False)
         raise
     r = setup.resolved.recipe
+    from mpsrun.train.distributed import is_main_process
+
+    if not is_main_process():  # ranks 1..N-1 of a job train silently; rank 0 speaks for the job
+        return _other_rank(setup, tracking_uri)
     console.print(
         f"[bold]mpsrun[/] {recipe}  model={r.model.name} dataset={r.dataset.name} "
         f"device={setup.choice.device} (requested {r.device})  epochs={r.epochs} batch={r.batch_size}  "
@@ -60,13 +79,15 @@ def run(
         highlight=False,
     )
     progress = QuietProgress(console) if quiet or not console.is_terminal else BarProgress(console)
+    from mpsrun.track.background import TrackingSetupError
     from mpsrun.train import interrupt
 
     try:
         with interrupt.stop_on_signals():  # SIGINT/SIGTERM: checkpoint, flush, KILLED, exit 130/143
             summary = runner.execute(setup, tracking_uri, progress, tracker=tracker)
-    except background.TrackingSetupError as e:
-        tracker.close(wait=False)
+    except TrackingSetupError as e:
+        if tracker is not None:
+            tracker.close(wait=False)
         if isinstance(progress, BarProgress):
             progress.stop()
         raise bad_input(str(e)) from None
@@ -92,6 +113,18 @@ def run(
     console.print(f"MLflow: {summary.run.ui_hint()}  (browse: mpsrun ui)", highlight=False)
     if summary.model_uri:
         console.print(f"model: {summary.model_uri}  (evaluate: mpsrun eval {summary.run.run_id})", highlight=False)
+
+
+def _other_rank(setup, tracking_uri: Optional[str]) -> None:  # type: ignore[no-untyped-def]
+    from mpsrun.train import runner
+
+    try:
+        runner.execute(setup, tracking_uri, None)
+    except KeyboardInterrupt:
+        raise typer.Exit(EXIT_INTERRUPT) from None
+    except runner.RunFailed as e:
+        err.print(f"[red]failed:[/] {e}", highlight=False)
+        raise typer.Exit(EXIT_FAIL) from None
 
 
 @app.command()

@@ -416,6 +416,7 @@ def guard(setup: Any, set_tags: Callable[[dict[str, str]], None], note: Callable
     recipe = setup.resolved.recipe
     device = setup.choice.device
     model = getattr(setup.model, "_orig_mod", setup.model)  # the eager module under torch.compile
+    model = getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
     transform = setup.splits.transform
     channels_last = setup.options.channels_last
 

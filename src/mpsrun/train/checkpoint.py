@@ -49,8 +49,10 @@ Remove = Callable[[str], bool]  # delete checkpoints/NAME from the run's artifac
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The module whose state_dict has stable key names (torch.compile wraps it as `_orig_mod`)."""
-    return getattr(model, "_orig_mod", model)
+    """The module whose state_dict has stable key names (torch.compile wraps it as `_orig_mod`, DDP as `module`)."""
+    from mpsrun.train.distributed import unwrap as unwrap_all
+
+    return unwrap_all(model)
 
 
 def to_host(obj: Any) -> Any:

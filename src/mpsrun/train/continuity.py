@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from mpsrun.track import liveness
 from mpsrun.track.runs import PLANNED, RunFiles
+from mpsrun.train import distributed
 from mpsrun.train.callbacks import Callback, Callbacks, RunState
 from mpsrun.train.checkpoint import Checkpointer
 from mpsrun.train.guard import NonFiniteGuard
@@ -46,9 +47,11 @@ class Continuity:
         self.resume = resume
         self.meta = {k: tags.get(k, "") for k in META_KEYS}
         self.guard = NonFiniteGuard(recipe.on_nonfinite, note)
-        files = RunFiles(tracker.uri, tracker.run_id) if recipe.checkpoint.every > 0 else None
+        main = distributed.is_main_process()  # checkpoints and liveness: rank 0 of a DDP job alone
+        ck_config = recipe.checkpoint if main else recipe.checkpoint.model_copy(update={"every": 0})
+        files = RunFiles(tracker.uri, tracker.run_id) if ck_config.every > 0 else None
         self.checkpointer = Checkpointer(
-            recipe.checkpoint,
+            ck_config,
             recipe.seed,
             upload=files.put if files else None,
             remove=files.remove if files else None,
@@ -62,10 +65,10 @@ class Continuity:
         start = {**liveness.identity(), PLANNED: str(recipe.epochs), "mpsrun.recipe_dir": str(setup.resolved.path.resolve().parent)}
         if recipe.checkpoint.every == 0:
             start["mpsrun.checkpoint"] = "off (checkpoint.every: 0)"
-        if resume is not None:
+        if resume is not None and main:
             start.update(self._resume_tags(resume))
         tracker.set_tags(start)
-        self.heartbeat = liveness.Heartbeat(tracker.c, tracker.run_id).start()
+        self.heartbeat = liveness.Heartbeat(tracker.c, tracker.run_id).start() if main else None
 
     def _hyper(self, resume: ResumePoint | None) -> dict[str, Any]:
         """Optimizer arguments given as overrides to `mpsrun resume`, with their validated values."""
@@ -131,5 +134,6 @@ class Continuity:
         self.tracker.set_tags({"mpsrun.interrupted": f"{name} during epoch {epoch} (0-based); {where}"})
 
     def close(self) -> None:
-        self.heartbeat.stop()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         self.checkpointer.close()

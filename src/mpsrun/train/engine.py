@@ -21,6 +21,7 @@ from torch import nn
 from mpsrun.devices import resolve as devices
 from mpsrun.train.callbacks import Callback, RunState
 from mpsrun.train.data import BatchPlan, ResidentBatches
+from mpsrun.train.distributed import reduce_sums
 from mpsrun.train.steps import GRAPH_STEPS, GraphTrainer, Options, Trainer, restore_state, snapshot_state
 
 __all__ = ["GRAPH_STEPS", "EpochMetrics", "GraphTrainer", "Listener", "Listeners", "Options", "TrainResult", "Trainer", "train"]
@@ -170,6 +171,7 @@ def train(
         trainer.train_epoch(plan, epoch, listener)
         devices.synchronize(device)
         t1 = time.perf_counter()
+        reduce_sums(trainer.loss_sum)  # over every rank of a DDP job; a no-op in one process
         train_loss = trainer.loss_sum.item() / n_train  # the epoch's one read of the loss
         listener.on_validate(epoch)
         trainer.loss_sum.zero_()
@@ -177,6 +179,7 @@ def train(
         trainer.val_epoch(plan)
         devices.synchronize(device)
         t2 = time.perf_counter()
+        reduce_sums(trainer.loss_sum, trainer.correct)  # the whole validation set, across ranks
         val_loss = trainer.loss_sum.item() / n_val
         val_acc = trainer.correct.item() / n_val
         peak = max(peak, devices.memory_bytes(device))

@@ -25,7 +25,7 @@ from mpsrun.recipe.load import Resolved, flatten
 from mpsrun.recipe.model import Recipe
 from mpsrun.track import store as tracking
 from mpsrun.track.standard import bookkeeping
-from mpsrun.train import record
+from mpsrun.train import distributed, record, shards
 from mpsrun.train.callbacks import Callback, Callbacks, RunState  # noqa: F401 - Callbacks: public here
 from mpsrun.train.continuity import Continuity, ResumePoint
 from mpsrun.train.data import BatchPlan, plan_batches
@@ -172,6 +172,12 @@ def prepare(resolved: Resolved) -> Setup:
     except devices.DeviceUnavailable as e:
         raise InputError(str(e)) from None
     notes = [w for w in [choice.warning()] if w]
+    job = distributed.from_env()  # one of several ranks (mpsrun run --nproc, torchrun)
+    if job is not None:
+        try:
+            notes += distributed.join(job, choice, recipe.batch_size)
+        except ValueError as e:
+            raise InputError(str(e)) from None
     seed_everything(recipe.seed)
     splits = build_data(recipe, resolved)
     seed_everything(recipe.seed)  # the model's initial weights depend on the seed alone
@@ -191,12 +197,17 @@ def prepare(resolved: Resolved) -> Setup:
         persistent_workers=recipe.loader.persistent_workers,
         pin_memory=recipe.loader.pin_memory,
     )
+    plan, share_notes = shards.share(plan, recipe.batch_size, recipe.seed)
+    notes += share_notes
     options = resolve_options(recipe, device, model, plan)
+    distributed.adjust_options(options, recipe.graphs)
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = options.cudnn_benchmark  # fixed shapes: time algorithms once
     model = model.to(device)
     if options.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    model = distributed.wrap(model, device)  # DDP when one of several ranks
+    shards.attach(model, plan)
     optimizer = build_optimizer(recipe, model, options.graphs)
     if options.compile:
         model = _compile(model, options)
@@ -257,16 +268,23 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
     if tracker is None:
         uri, artifact_root = tracking.resolve_uri(tracking_uri)
         experiment = experiment or experiment_name(r)
-        tracker = tracking.Tracker(uri, experiment, artifact_root)
-    all_tags = {**run_tags(setup), **(tags or {})}
+        tracker = distributed.tracker(uri, experiment, artifact_root)  # rank 0 alone writes: one run per job
+    job_tags, rank_facts = distributed.job_tags(setup.choice.device, devices.choice_tags(setup.choice))
+    all_tags = {**run_tags(setup), **job_tags, **(tags or {})}
     if resume is None:
         info = tracker.start(recipe.tracking.run_name or record.default_run_name(setup), all_tags, parent_run_id)
     else:  # the same run goes on; its params stay as first logged (MLflow params are immutable)
         info = tracker.attach(resume.run_id)
-    rec = record.begin(tracker, setup, recipe.tracking.system_metrics)  # experiment kind, standard tags, datasets, system metrics
+    distributed.publish_run_id(info.run_id)
+    main = distributed.is_main_process()
+    rec = record.begin(tracker, setup, recipe.tracking.system_metrics) if main else record.Recorder(tracker, setup)  # experiment kind, standard tags, datasets, system metrics
     if resume is None:
         tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": setup.plan.train.samples, "data.val_size": setup.plan.val.samples})
     tracker.log_text(r.as_yaml(), "recipe.yaml")
+    if rank_facts:
+        import json
+
+        tracker.log_text(json.dumps(rank_facts, indent=2), "distributed_ranks.json")
     if setup.splits.info:  # e.g. tabular's category vocabularies: needed to use the weights later
         import json
 
@@ -293,7 +311,7 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
             recipe.epochs,
             setup.options,
             listeners,
-            callbacks=keep.callbacks([*setup.callbacks, record.callback(rec)]),
+            callbacks=keep.callbacks([*setup.callbacks, *([record.callback(rec)] if main else [])]),
             state=state,
             start_epoch=keep.start_epoch,
         )
@@ -311,7 +329,9 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
             )
         )
         seen = len(rec.notes)
-        record.end(rec, result)  # figures, description, the logged (and registered) model
+        if main:
+            distributed.for_recording(setup)  # the user's module and the whole validation set, on rank 0
+            record.end(rec, result)  # figures, description, the logged (and registered) model
         record.stop(rec)
         for note in rec.notes[seen:]:
             listeners.on_note(note)
@@ -326,9 +346,14 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
         record.stop(rec)
         keep.interrupted(e, state.epoch)
         keep.close()
+        peer = distributed.on_failure(e, tracker)  # the agent's SIGTERM after a rank died: FAILED, naming that rank
+        if peer is not e:
+            tracker.finish("FAILED", peer)
+            raise RunFailed(f"{type(peer).__name__}: {peer}", info.run_id) from peer
         tracker.finish("KILLED")
         raise
     except Exception as e:
+        e = distributed.on_failure(e, tracker)  # names the rank that brought a job down
         record.stop(rec)
         keep.close()
         tracker.finish("FAILED", e)
@@ -340,7 +365,7 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "_orig_mod", model)
+    return distributed.unwrap(model)  # torch.compile's and DDP's wrappers off
 
 
 def run(resolved: Resolved, tracking_uri: str | None = None, listener: Listener | None = None) -> RunSummary:

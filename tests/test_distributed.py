@@ -1,0 +1,196 @@
+"""Data-parallel training: `mpsrun run --nproc N` and `torchrun ... -m mpsrun run`, on the CPU (gloo).
+
+Real processes through torch's elastic agent, a real MLflow SQLite store. Each DDP job
+costs seconds of gloo and interpreter start-up on a 2-core machine, so there are
+three: the trajectory check, torchrun, and a rank that dies.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpsrun.train import distributed, shards
+
+RECIPE = """\
+device: cpu
+epochs: {epochs}
+batch_size: 32
+seed: 0
+dataset: {{name: digits}}
+model: {{name: {model}}}
+optimizer: {{name: sgd, lr: 0.05}}
+tracking: {{experiment: ddp}}
+"""
+
+ENV = {"OMP_NUM_THREADS": "1", "MPSRUN_DIST_TIMEOUT_S": "60", "PYTHONWARNINGS": "ignore"}
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).parent / name)
+
+
+def _sub(args: list[str], cwd: Path, extra: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, **ENV, **(extra or {})}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+# ----------------------------------------------------------------------------- shares (no processes)
+
+
+@pytest.mark.parametrize("n,batch,world", [(1437, 32, 2), (100, 8, 4), (64, 32, 2), (33, 16, 2), (35, 16, 4)])
+def test_ranks_share_every_global_batch_contiguously(n: int, batch: int, world: int) -> None:
+    lays = [shards.layout(n, batch, world, r) for r in range(world)]
+    steps = {len(lay.steps) for lay in lays}
+    assert len(steps) == 1  # every rank takes every step: each is a collective
+    covered = torch.cat([lay.positions for lay in lays]).sort().values
+    tail = n % batch
+    kept = n - (tail if 0 < tail < world else 0)
+    assert covered.tolist() == list(range(kept))
+    for step in range(len(lays[0].steps)):  # rank r's slice of step k comes before rank r+1's
+        starts = [int(lay.positions[sum(lay.steps[:step])]) for lay in lays]
+        assert starts == sorted(starts)
+        sizes = [lay.steps[step] for lay in lays]
+        total = sum(sizes)
+        weights = [lay.weights[step] for lay in lays]
+        # DDP's weighted average equals the global mean: sum_r (w_r / world) * mean_r = sum_r size_r / total * mean_r
+        for w, s in zip(weights, sizes):
+            assert w / world == pytest.approx(s / total)
+    assert lays[0].dropped == (tail if 0 < tail < world else 0)
+
+
+def test_loader_share_follows_the_single_process_order() -> None:
+    """The DataLoader path: each rank's batches are slices of the batches one process would draw."""
+    from torch.utils.data import DataLoader
+
+    n, batch, world = 103, 16, 2
+    single = [b.tolist() for b in DataLoader(range(n), batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(3))]
+    per_rank = []
+    for r in range(world):
+        g = torch.Generator().manual_seed(3)
+        sampler = shards._ShareSampler(n, batch, world, r, g)
+        per_rank.append([b.tolist() for b in DataLoader(range(n), batch_sampler=sampler, generator=g)])
+    assert [a + b for a, b in zip(*per_rank)] == single
+
+
+def test_bad_jobs_are_refused_before_any_rank_starts(work) -> None:  # type: ignore[no-untyped-def]
+    r = work.write("r.yaml", RECIPE.format(epochs=1, model="mlp"))
+    res = work.cli("run", str(r), "batch_size=63", "--nproc", "2")
+    assert res.exit_code == 2
+    assert "batch_size 63" in res.stderr and "2 ranks" in res.stderr and "batch_size=62 or 64" in res.stderr
+    assert work.runs("ddp") == []
+    with pytest.raises(ValueError, match="MPS has no multi-process backend"):
+        distributed.backend_for("mps")
+    assert distributed.backend_for("cpu") == "gloo" and distributed.backend_for("cuda") == "nccl"
+
+
+def test_launch_refuses_mps_mocked(work, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """MPS (mocked usable: this Linux machine has none) exits 2 naming the missing backend."""
+    from mpsrun.devices import resolve as devices
+
+    monkeypatch.setattr(devices, "unusable_reason", lambda name: None)
+    r = work.write("r.yaml", RECIPE.format(epochs=1, model="mlp").replace("device: cpu", "device: mps"))
+    res = work.cli("run", str(r), "--nproc", "2")
+    assert res.exit_code == 2
+    assert "MPS has no multi-process backend" in res.stderr
+
+
+def test_single_process_is_untouched() -> None:
+    t = torch.tensor(3.0)
+    distributed.reduce_sums(t)
+    assert t.item() == 3.0 and distributed.is_main_process() and distributed.world_size() == 1
+    assert distributed.from_env({"WORLD_SIZE": "1", "RANK": "0"}) is None
+    ctx = distributed.from_env({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2"})
+    assert ctx is not None and (ctx.rank, ctx.local_rank, ctx.nodes, ctx.main) == (3, 1, 2, False)
+
+
+# ----------------------------------------------------------------------------- real jobs
+
+
+def test_nproc_2_is_one_run_on_the_single_process_trajectory(work) -> None:  # type: ignore[no-untyped-def]
+    r = work.write("r.yaml", RECIPE.format(epochs=3, model="mlp"))  # 1437 samples: a tail of 29, shared 15/14
+    one = work.cli("run", str(r), "-q")
+    assert one.exit_code == 0, one.output
+    p = _sub([_bin("mpsrun"), "run", str(r), "-q", "--nproc", "2"], work.path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    runs = work.runs("ddp")
+    assert len(runs) == 2  # the single-process run and ONE run for the two ranks
+    single, ddp = runs
+    t = ddp.data.tags
+    assert ddp.info.status == "FINISHED"
+    assert (t["distributed.world_size"], t["distributed.backend"], t["distributed.nodes"]) == ("2", "gloo", "1")
+    assert "distributed.world_size" not in single.data.tags
+    assert "device=cpu" in t["distributed.rank.0"] and "device=cpu" in t["distributed.rank.1"]
+    assert t["distributed.rank.0"] != t["distributed.rank.1"]  # each rank's own facts (pid differs)
+    assert ddp.data.params["data.train_size"] == "1437" and ddp.data.params["data.val_size"] == "360"
+    a, b = work.history(single.info.run_id, "val_loss"), work.history(ddp.info.run_id, "val_loss")
+    assert [s for s, _ in a] == [s for s, _ in b] == [0, 1, 2]
+    for (_, x), (_, y) in zip(a, b):
+        assert abs(x - y) < 1e-4, (a, b)
+    acc_a = work.history(single.info.run_id, "val_accuracy")
+    acc_b = work.history(ddp.info.run_id, "val_accuracy")
+    assert acc_a == acc_b  # counts over the whole validation set, reduced across ranks
+    assert ddp.data.tags["mpsrun.model_uri"] == f"runs:/{ddp.info.run_id}/model"  # logged once, by rank 0
+    assert {"distributed_ranks.json", "figures", "recipe.yaml"} <= {f.path for f in work.client().list_artifacts(ddp.info.run_id)}
+
+
+@pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="torchrun not installed beside python")
+def test_torchrun_gives_one_run(work) -> None:  # type: ignore[no-untyped-def]
+    r = work.write("r.yaml", RECIPE.format(epochs=1, model="mlp"))
+    p = _sub([_bin("torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "mpsrun", "run", str(r), "-q"], work.path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    runs = work.runs("ddp")
+    assert len(runs) == 1
+    assert runs[0].info.status == "FINISHED"
+    assert runs[0].data.tags["distributed.world_size"] == "2"
+    assert runs[0].data.tags["distributed.launcher"] == "torchrun"
+
+
+BOOM = """\
+import os
+import torch
+from torch import nn
+
+
+class Boom(nn.Module):
+    def __init__(self, num_classes: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, num_classes)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.training and os.environ.get("RANK") == "1" and self.calls > 60:  # in epoch 2 (45 steps each)
+            raise RuntimeError("boom on rank 1")
+        return self.lin(x.flatten(1))
+
+
+def boom(num_classes: int) -> nn.Module:
+    return Boom(num_classes)
+"""
+
+
+def test_a_dying_rank_takes_the_job_down_and_is_named(work, fake_dist) -> None:  # type: ignore[no-untyped-def]
+    site = fake_dist("boom-plugin", BOOM, models={"boom": "boom"})
+    r = work.write("r.yaml", RECIPE.format(epochs=3, model="boom"))
+    t0 = time.monotonic()
+    p = _sub([_bin("mpsrun"), "run", str(r), "-q", "--nproc", "2"], work.path, {"PYTHONPATH": str(site)}, timeout=180)
+    took = time.monotonic() - t0
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert took < 150
+    assert "rank 1" in p.stderr
+    runs = work.runs("ddp")
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FAILED"
+    assert run.data.tags["distributed.failed_ranks"] == "1"
+    assert "rank 1 failed" in run.data.tags["mpsrun.error"] and "boom on rank 1" in run.data.tags["mpsrun.error"]
+    assert len(work.history(run.info.run_id, "val_loss")) == 1  # epoch 1 finished and was logged
