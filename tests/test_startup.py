@@ -118,7 +118,7 @@ def test_fashion_plugin_gives_torchvision_tensors_from_gz_only_files(tmp_path: P
     raw.mkdir(parents=True)
     for f in (idx_root / "FashionMNIST" / "raw").glob("*.gz"):
         (raw / f.name).write_bytes(f.read_bytes())  # only the .gz: torchvision itself would refuse these
-    splits = fashion_mnist(root=str(tmp_path), download=False)
+    splits = fashion_mnist(root=str(tmp_path), download=False, val_on_test=True)  # train: every training image
     ref = datasets.FashionMNIST(str(idx_root), train=True, download=False)
     x, y = splits.train.tensors  # type: ignore[attr-defined]
     assert torch.equal(x, ref.data.unsqueeze(1)) and torch.equal(y, ref.targets)

@@ -19,6 +19,7 @@ from mpsrun.cli.common import (
     console,
     err,
     one_cell,
+    require_store,
     resolve_recipe,
 )
 
@@ -37,6 +38,7 @@ def run(
 ) -> None:
     """Train a recipe and record metrics, timings and device facts in MLflow."""
     resolved = one_cell(resolve_recipe(recipe, overrides))  # a matrix pinned to one cell runs; more: use bench
+    require_store(tracking_uri)  # an unreachable server: exit 2 in seconds, before any data loads
     if nproc > 1:  # N copies of this command, started by torch's elastic agent (as torchrun does)
         from mpsrun.cli.ranks import launch_ranks
 
@@ -54,7 +56,7 @@ def run(
         except background.TrackingSetupError as e:
             raise bad_input(str(e)) from None
     from mpsrun.train import runner
-    from mpsrun.train.progress import BarProgress, QuietProgress
+    from mpsrun.train.progress import BarProgress, QuietProgress, quality
 
     try:
         setup = runner.prepare(resolved)
@@ -103,9 +105,13 @@ def run(
         err.print(f"[red]failed:[/] {e} (MLflow run {e.run_id} marked FAILED, traceback in its error.txt)", highlight=False)
         raise typer.Exit(EXIT_FAIL) from None
     res = summary.result
+    if res.stop_reason and isinstance(progress, BarProgress):
+        progress.stop()  # the bar stops itself only after the planned last epoch
     s = res.summary()
+    if res.stop_reason:
+        console.print(f"stopped: {res.stop_reason}", highlight=False)
     console.print(
-        f"done: val_acc {s['final_val_accuracy']:.4f}  first epoch {s['first_epoch_time_s']:.3f} s  "
+        f"done: {quality(res.epochs[-1])}  first epoch {s['first_epoch_time_s']:.3f} s  "
         f"steady epoch {s['steady_epoch_time_s']:.3f} s (median of {max(len(res.epochs) - 1, 1)})  "
         f"total {s['total_train_time_s']:.2f} s  peak memory {s['peak_memory_bytes'] / 2**20:.0f} MiB",
         highlight=False,

@@ -18,11 +18,13 @@ from pydantic import ConfigDict, ValidationError, create_model
 
 from mpsrun.recipe.problems import Problem, RecipeSource, did_you_mean
 
-GROUPS = {"model": "mpsrun.models", "dataset": "mpsrun.datasets"}
+GROUPS = {"model": "mpsrun.models", "dataset": "mpsrun.datasets", "callback": "mpsrun.callbacks", "loss": "mpsrun.losses"}
 # Parameters the runner fills in itself; a recipe may not set them.
 FILLED = {
-    "model": ("num_classes", "input_shape", "data_info"),
+    "model": ("num_classes", "num_outputs", "input_shape", "data_info"),
     "dataset": ("seed", "recipe_dir"),
+    "callback": (),
+    "loss": (),
 }
 
 

@@ -50,7 +50,13 @@ def _torchvision_mnist(
     val_subset: Optional[int],
     normalize: bool,
     seed: int,
+    val_fraction: float = 0.1,
+    val_on_test: bool = False,
+    test_subset: Optional[int] = None,
 ) -> DataSplits:
+    if not val_on_test and not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
+
     root_path = Path(root).expanduser()
     raw = root_path / cls_name / "raw"
     if not _has_files(raw):
@@ -69,18 +75,34 @@ def _torchvision_mnist(
                 f"({type(e).__name__}: {e}); put {', '.join(f + '.gz' for f in _MNIST_FILES)} there "
                 f"or set dataset.root to the folder that holds {cls_name}/raw"
             ) from None
-    splits = []
-    for train, n in ((True, subset), (False, val_subset)):
-        prefix = "train" if train else "t10k"
+
+    def read(train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        prefix = "train" if train else "t10k"  # read with numpy (readers.py): no torchvision import
         try:
             images = readers.read_idx(readers.idx_path(raw, f"{prefix}-images-idx3-ubyte"))  # type: ignore[arg-type]
             labels = readers.read_idx(readers.idx_path(raw, f"{prefix}-labels-idx1-ubyte"))  # type: ignore[arg-type]
         except (OSError, EOFError, readers.IdxFormatError) as e:
             raise DatasetUnavailable(f"{cls_name} files in {raw.resolve()} cannot be read: {type(e).__name__}: {e}") from None
-        x = torch.from_numpy(images).unsqueeze(1).contiguous()  # uint8 [N, 1, 28, 28]
-        y = torch.from_numpy(labels).long()
-        x, y = _subset(x, y, n, seed + (0 if train else 1))
-        splits.append(TensorDataset(x, y))
+        return torch.from_numpy(images).unsqueeze(1).contiguous(), torch.from_numpy(labels).long()  # uint8 [N, 1, 28, 28]
+
+    x_test, y_test = read(False)
+    x, y = read(True)
+    notes = []
+    if val_on_test:
+        # The seeds' habit (the PyTorch quickstart validates on the test set): said, tagged, no test split.
+        train_split = TensorDataset(*_subset(x, y, subset, seed))
+        val_split = TensorDataset(*_subset(x_test, y_test, val_subset, seed + 1))
+        test_split = None
+        notes.append(f"val_on_test: validating on the official {cls_name} test set; no held-out test split is left")
+    else:
+        # A seeded hold-out of the training images validates; the official test set is the test split.
+        perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed + 2))
+        n_val = max(1, round(len(y) * val_fraction))
+        va, tr = perm[:n_val].sort().values, perm[n_val:].sort().values
+        train_split = TensorDataset(*_subset(x[tr], y[tr], subset, seed))
+        val_split = TensorDataset(*_subset(x[va], y[va], val_subset, seed + 1))
+        test_split = TensorDataset(*_subset(x_test, y_test, test_subset, seed + 3))
+    splits = [train_split, val_split]
     mean, std = ((0.2860,), (0.3530,)) if cls_name == "FashionMNIST" else ((0.1307,), (0.3081,))
     transform = ImageTransform(
         mean=mean if normalize else None, std=std if normalize else None, resize=resize, rgb=rgb
@@ -91,6 +113,8 @@ def _torchvision_mnist(
         num_classes=10,
         input_shape=transform.output_shape((1, 28, 28)),
         transform=transform,
+        info={"notes": notes} if notes else {},
+        test=test_split,
     )
 
 
@@ -102,14 +126,21 @@ def fashion_mnist(
     subset: Optional[int] = None,
     val_subset: Optional[int] = None,
     normalize: bool = False,
+    val_fraction: float = 0.1,
+    val_on_test: bool = False,
+    test_subset: Optional[int] = None,
     seed: int = 0,
 ) -> DataSplits:
     """Fashion-MNIST (60,000 train / 10,000 test 28x28 images) read from the IDX files in ROOT/FashionMNIST/raw (downloaded with torchvision when absent).
 
-    resize, rgb (grayscale to 3 channels) and normalize run on the device per batch;
-    subset / val_subset take a seeded random subset of each split.
+    resize, rgb (grayscale to 3 channels) and normalize run on the device per batch.
+    val is a seeded hold-out (val_fraction) of the training images and the official
+    test set is the test split, evaluated once at the end; val_on_test: true
+    validates on the test set instead (the PyTorch quickstart's habit; the run says
+    so). subset / val_subset / test_subset take a seeded random subset of the
+    training images left after the hold-out, of val and of test.
     """
-    return _torchvision_mnist("FashionMNIST", root, download, resize, rgb, subset, val_subset, normalize, seed)
+    return _torchvision_mnist("FashionMNIST", root, download, resize, rgb, subset, val_subset, normalize, seed, val_fraction, val_on_test, test_subset)
 
 
 def mnist(
@@ -120,13 +151,16 @@ def mnist(
     subset: Optional[int] = None,
     val_subset: Optional[int] = None,
     normalize: bool = False,
+    val_fraction: float = 0.1,
+    val_on_test: bool = False,
+    test_subset: Optional[int] = None,
     seed: int = 0,
 ) -> DataSplits:
     """MNIST handwritten digits (60,000 / 10,000 28x28 images) read from the IDX files in ROOT/MNIST/raw.
 
     Same options as fashion_mnist.
     """
-    return _torchvision_mnist("MNIST", root, download, resize, rgb, subset, val_subset, normalize, seed)
+    return _torchvision_mnist("MNIST", root, download, resize, rgb, subset, val_subset, normalize, seed, val_fraction, val_on_test, test_subset)
 
 
 def digits(val_fraction: float = 0.2, seed: int = 0) -> DataSplits:
