@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -42,13 +43,31 @@ def run(
         from mpsrun.cli.ranks import launch_ranks
 
         return launch_ranks(resolved, recipe, overrides or [], tracking_uri, quiet, nproc)
+    # MLflow set-up starts now, beside the torch import, data and model (track/background.py).
+    # Not in a rank of a multi-process job (RANK and WORLD_SIZE > 1, as train.distributed.from_env
+    # reads them; not imported here, it imports torch): there distributed.tracker decides who logs.
+    tracker = None
+    if not ("RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1")):
+        from mpsrun.track import background, store
+
+        uri, artifact_root = store.resolve_uri(tracking_uri)
+        try:
+            tracker = background.start(uri, resolved.recipe.tracking.experiment or resolved.path.stem, artifact_root)
+        except background.TrackingSetupError as e:
+            raise bad_input(str(e)) from None
     from mpsrun.train import runner
     from mpsrun.train.progress import BarProgress, QuietProgress, quality
 
     try:
         setup = runner.prepare(resolved)
     except runner.InputError as e:
+        if tracker is not None:
+            tracker.close(wait=False)
         raise bad_input(str(e)) from None
+    except BaseException:
+        if tracker is not None:
+            tracker.close(wait=False)
+        raise
     r = setup.resolved.recipe
     from mpsrun.train.distributed import is_main_process
 
@@ -62,11 +81,18 @@ def run(
         highlight=False,
     )
     progress = QuietProgress(console) if quiet or not console.is_terminal else BarProgress(console)
+    from mpsrun.track.background import TrackingSetupError
     from mpsrun.train import interrupt
 
     try:
         with interrupt.stop_on_signals():  # SIGINT/SIGTERM: checkpoint, flush, KILLED, exit 130/143
-            summary = runner.execute(setup, tracking_uri, progress)
+            summary = runner.execute(setup, tracking_uri, progress, tracker=tracker)
+    except TrackingSetupError as e:
+        if tracker is not None:
+            tracker.close(wait=False)
+        if isinstance(progress, BarProgress):
+            progress.stop()
+        raise bad_input(str(e)) from None
     except KeyboardInterrupt as e:
         if isinstance(progress, BarProgress):
             progress.stop()

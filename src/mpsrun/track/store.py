@@ -182,14 +182,21 @@ class Tracker:
 
     def finish(self, status: str, error: BaseException | None = None) -> None:
         """Record the outcome: FINISHED, FAILED (with the error) or KILLED."""
+        if error is None:
+            self.finish_text(status)
+        else:
+            msg = f"{type(error).__name__}: {error}"
+            tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            self.finish_text(status, msg, tb)
+
+    def finish_text(self, status: str, message: str | None = None, tb: str | None = None) -> None:
+        """`finish` with the error already rendered: the MLflow helper process gets text, not the exception."""
         self.flush()
         if self.run_id is None:
             return
-        if error is not None:
-            msg = f"{type(error).__name__}: {error}"
-            self.set_tags({"mpsrun.error": msg})
-            tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-            self.log_text(tb, "error.txt")
+        if message is not None:
+            self.set_tags({"mpsrun.error": message})
+            self.log_text(tb or message, "error.txt")
         self.outbox.try_replay(self.c)
         if self.outbox.spooled:
             self.set_tags({"mpsrun.spool": self.outbox.summary()})

@@ -11,6 +11,7 @@ import inspect
 import random
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -263,13 +264,23 @@ def _version() -> str:
     return __version__
 
 
-def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = None, parent_run_id: str | None = None, tags: dict[str, str] | None = None, resume: ResumePoint | None = None, experiment: str | None = None) -> RunSummary:
-    """Start the MLflow run (or continue one: `resume`), train, and record the outcome, whatever it is."""
+def experiment_name(resolved: Resolved) -> str:
+    """The run's MLflow experiment: the recipe's `tracking.experiment`, else the recipe file's name."""
+    return resolved.recipe.tracking.experiment or resolved.path.stem
+
+
+def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = None, parent_run_id: str | None = None, tags: dict[str, str] | None = None, resume: ResumePoint | None = None, experiment: str | None = None, tracker: Any = None) -> RunSummary:
+    """Start the MLflow run (or continue one: `resume`), train, and record the outcome, whatever it is.
+
+    `tracker`: one already being set up (`track.background`, started before torch was
+    imported); by default a `store.Tracker` is set up here.
+    """
     r = setup.resolved
     recipe = r.recipe
-    uri, artifact_root = tracking.resolve_uri(tracking_uri)
-    experiment = experiment or recipe.tracking.experiment or r.path.stem
-    tracker = distributed.tracker(uri, experiment, artifact_root)  # rank 0 alone writes: one run per job
+    if tracker is None:
+        uri, artifact_root = tracking.resolve_uri(tracking_uri)
+        experiment = experiment or experiment_name(r)
+        tracker = distributed.tracker(uri, experiment, artifact_root)  # rank 0 alone writes: one run per job
     job_tags, rank_facts = distributed.job_tags(setup.choice.device, devices.choice_tags(setup.choice))
     all_tags = {**run_tags(setup), **job_tags, **(tags or {})}
     if resume is None:
@@ -329,6 +340,7 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
                     "mlflow_log_time_s": tracker.log_time_s,
                     "mlflow_log_time_during_training_s": tracker.log_time_during_s,
                     "mlflow_handoff_time_s": tracker.handoff_time_s,
+                    **({"mlflow_setup_wait_s": tracker.setup_wait_s} if hasattr(tracker, "setup_wait_s") else {}),
                 }
             )
         )

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch.utils.data import TensorDataset
 
+from mpsrun.plugins.builtin import readers
 from mpsrun.plugins.contract import DataSplits, ImageTransform
 
 _MNIST_FILES = (
@@ -28,7 +29,7 @@ class DatasetUnavailable(Exception):
 
 
 def _has_files(raw: Path) -> bool:
-    return all((raw / f).exists() or (raw / f"{f}.gz").exists() for f in _MNIST_FILES)
+    return all(readers.idx_path(raw, f) is not None for f in _MNIST_FILES)
 
 
 def _subset(x: torch.Tensor, y: torch.Tensor, n: Optional[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,12 +54,9 @@ def _torchvision_mnist(
     val_on_test: bool = False,
     test_subset: Optional[int] = None,
 ) -> DataSplits:
-    import torchvision.datasets as tvd
-
     if not val_on_test and not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
 
-    cls = getattr(tvd, cls_name)
     root_path = Path(root).expanduser()
     raw = root_path / cls_name / "raw"
     if not _has_files(raw):
@@ -68,16 +66,24 @@ def _torchvision_mnist(
                 f"expected {', '.join(f + '.gz' for f in _MNIST_FILES)} there"
             )
         try:
-            cls(str(root_path), train=True, download=True)
+            import torchvision.datasets as tvd  # only to download; reading is numpy's (readers.py)
+
+            getattr(tvd, cls_name)(str(root_path), train=True, download=True)
         except Exception as e:
             raise DatasetUnavailable(
                 f"{cls_name} files not found in {raw.resolve()} and the download failed "
                 f"({type(e).__name__}: {e}); put {', '.join(f + '.gz' for f in _MNIST_FILES)} there "
                 f"or set dataset.root to the folder that holds {cls_name}/raw"
             ) from None
+
     def read(train: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        ds = cls(str(root_path), train=train, download=False)
-        return ds.data.unsqueeze(1).contiguous(), ds.targets.long()  # uint8 [N, 1, 28, 28]
+        prefix = "train" if train else "t10k"  # read with numpy (readers.py): no torchvision import
+        try:
+            images = readers.read_idx(readers.idx_path(raw, f"{prefix}-images-idx3-ubyte"))  # type: ignore[arg-type]
+            labels = readers.read_idx(readers.idx_path(raw, f"{prefix}-labels-idx1-ubyte"))  # type: ignore[arg-type]
+        except (OSError, EOFError, readers.IdxFormatError) as e:
+            raise DatasetUnavailable(f"{cls_name} files in {raw.resolve()} cannot be read: {type(e).__name__}: {e}") from None
+        return torch.from_numpy(images).unsqueeze(1).contiguous(), torch.from_numpy(labels).long()  # uint8 [N, 1, 28, 28]
 
     x_test, y_test = read(False)
     x, y = read(True)
@@ -125,7 +131,7 @@ def fashion_mnist(
     test_subset: Optional[int] = None,
     seed: int = 0,
 ) -> DataSplits:
-    """Fashion-MNIST (60,000 train / 10,000 test 28x28 images) read with torchvision from ROOT/FashionMNIST/raw.
+    """Fashion-MNIST (60,000 train / 10,000 test 28x28 images) read from the IDX files in ROOT/FashionMNIST/raw (downloaded with torchvision when absent).
 
     resize, rgb (grayscale to 3 channels) and normalize run on the device per batch.
     val is a seeded hold-out (val_fraction) of the training images and the official
@@ -150,7 +156,7 @@ def mnist(
     test_subset: Optional[int] = None,
     seed: int = 0,
 ) -> DataSplits:
-    """MNIST handwritten digits (60,000 / 10,000 28x28 images) read with torchvision from ROOT/MNIST/raw.
+    """MNIST handwritten digits (60,000 / 10,000 28x28 images) read from the IDX files in ROOT/MNIST/raw.
 
     Same options as fashion_mnist.
     """
@@ -164,15 +170,13 @@ def digits(val_fraction: float = 0.2, seed: int = 0) -> DataSplits:
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    bunch = load_digits()
-    x = torch.tensor(bunch.images, dtype=torch.uint8).unsqueeze(1)  # values 0..16
-    y = torch.tensor(bunch.target, dtype=torch.long)
-    idx = list(range(len(y)))
-    tr, va = train_test_split(idx, test_size=val_fraction, random_state=seed, stratify=bunch.target)
-    tr_t, va_t = torch.tensor(tr), torch.tensor(va)
+    # Read straight from scikit-learn's bundled csv.gz, split as train_test_split(stratify=)
+    # would: the same arrays and split without importing scikit-learn (readers.py says why).
+    images, target = readers.read_digits()
+    x = torch.tensor(images, dtype=torch.uint8).unsqueeze(1)  # values 0..16
+    y = torch.tensor(target, dtype=torch.long)
+    tr, va = readers.stratified_split(target, val_fraction, seed)
+    tr_t, va_t = torch.from_numpy(tr), torch.from_numpy(va)
     return DataSplits(
         train=TensorDataset(x[tr_t], y[tr_t]),
         val=TensorDataset(x[va_t], y[va_t]),
