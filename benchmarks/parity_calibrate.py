@@ -1,4 +1,4 @@
-"""Where `mpsrun parity`'s tolerances come from, measured on the shipped recipes (CPU only).
+"""Where `mpsrun parity`'s tolerances and noise caps come from, measured on the shipped recipes.
 
 For each recipe and precision this runs parity on the CPU with three kinds of
 device B, and prints per quantity the largest relative difference ||B-A||/||A||,
@@ -14,7 +14,13 @@ and the worst difference/tolerance ratio (above 1: "diverge"):
 - `logits x1.01`: B's model output off by 1% (a subtly wrong kernel). Must diverge.
 
     python benchmarks/parity_calibrate.py [--steps 20,200] [--fashion-root DIR]
+        [--device cpu|cuda] [--precisions fp32,bf16,fp16] [--markdown FILE]
 
+`--device cuda` puts A and B on the GPU (its real fp16/bf16 kernels; the yardstick
+stays on the CPU), which is how fp16's noise caps are calibrated; each row also
+prints the largest noise as a share of its cap (`NOISE_CAPS`, devices/parity/
+tolerance.py): a correct device must stay below 1 there, or parity would call A
+suspect. `--markdown` also writes the table as Markdown (for docs/benchmarks.md).
 Without --fashion-root a small synthetic FashionMNIST is written to a temp folder.
 The numbers quoted in mpsrun/devices/parity/run.py's docstring come from this script.
 """
@@ -64,11 +70,11 @@ class Scaled(parity.Replica):
 KINDS = {"reordered": Reordered, "lost update": LostUpdate, "logits x1.01": Scaled}
 
 
-def measure(recipe: Path, overrides: list[str], precision: str, steps: int, kind: str) -> parity.ParityResult:
+def measure(recipe: Path, overrides: list[str], precision: str, steps: int, kind: str, device: str = "cpu") -> parity.ParityResult:
     resolved = resolve(recipe, [*overrides, f"precision={precision}"])
-    prep = parity.prepare(resolved, ("cpu", "cpu"), steps)
-    cpu = torch.device("cpu")
-    args = (prep.model, cpu, resolved, precision, False, prep.splits.transform)
+    prep = parity.prepare(resolved, (device, device), steps)
+    dev = torch.device(device)
+    args = (prep.model, dev, resolved, precision, False, prep.splits.transform)
     reps = (parity.Replica(*args), KINDS[kind](*args))
     return parity.execute(prep, reps=reps)
 
@@ -77,7 +83,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", default="20,200", help="comma-separated step counts")
     ap.add_argument("--fashion-root", default=None, help="folder holding FashionMNIST/raw (default: synthetic, temp)")
+    ap.add_argument("--device", default="cpu", help="device of A and B (the yardstick stays on the CPU): cpu or cuda")
+    ap.add_argument("--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
+    ap.add_argument("--markdown", default=None, help="also write the table as Markdown to this file")
     a = ap.parse_args()
+    precisions = [p.strip() for p in a.precisions.split(",") if p.strip()]
     marks = sorted(int(s) for s in a.steps.split(","))
     root = a.fashion_root
     if root is None:
@@ -90,18 +100,42 @@ def main() -> int:
         ("fashion_mlp (sgd)", ROOT / "recipes" / "fashion_mlp_mps.yaml", ["device=cpu", f"dataset.root={root}", "dataset.download=false"]),
     ]
     qs = ("loss", "grad_norm", "logits", "params")
-    print(f"{'recipe':<18} {'prec':<5} {'steps':>5} {'device B':<13} " + " ".join(f"{q + ' rel/noise':>19}" for q in qs) + f" {'worst/tol':>9}  verdict")
+    import platform
+
+    from mpsrun.devices.parity.tolerance import NOISE_CAPS
+
+    where = torch.cuda.get_device_name(0) if a.device.startswith("cuda") else (platform.processor() or platform.machine())
+    print(f"# A and B on {a.device} ({where}), torch {torch.__version__}; yardstick on the CPU")
+    print(f"{'recipe':<18} {'prec':<5} {'steps':>5} {'device B':<13} " + " ".join(f"{q + ' rel/noise':>19}" for q in qs) + f" {'noise/cap':>9} {'worst/tol':>9}  verdict")
+    md = [
+        f"A and B on `{a.device}` ({where}), torch {torch.__version__}; yardstick on the CPU. Per quantity: max rel diff / max noise.",
+        "",
+        "| recipe | precision | steps | device B | " + " | ".join(qs) + " | noise / cap | worst / tol | verdict |",
+        "| --- | --- | ---: | --- | " + " | ".join("---" for _ in qs) + " | ---: | ---: | --- |",
+    ]
     for label, path, ov in recipes:
-        for precision in ("fp32", "bf16"):
+        for precision in precisions:
+            caps = NOISE_CAPS[precision]
             for steps in marks:
                 for kind in KINDS:
                     if kind != "reordered" and steps != marks[0]:
                         continue
-                    res = measure(path, ov, precision, steps, kind)
+                    res = measure(path, ov, precision, steps, kind, a.device)
                     s = res.summary()
                     cells = " ".join(f"{s[q].max_rel:>9.1e}/{s[q].max_noise:<9.1e}" for q in qs)
                     worst = max(s[q].max_ratio for q in qs)
-                    print(f"{label:<18} {precision:<5} {steps:>5} {kind:<13} {cells} {worst:>9.2g}  {res.verdict} ({res.divergence_text()})", flush=True)
+                    of_cap = max(s[q].max_noise / caps[q] for q in qs)
+                    print(
+                        f"{label:<18} {precision:<5} {steps:>5} {kind:<13} {cells} {of_cap:>9.2g} {worst:>9.2g}  {res.verdict} ({res.divergence_text()})",
+                        flush=True,
+                    )
+                    md.append(
+                        f"| {label} | {precision} | {steps} | {kind} | "
+                        + " | ".join(f"{s[q].max_rel:.1e} / {s[q].max_noise:.1e}" for q in qs)
+                        + f" | {of_cap:.2g} | {worst:.2g} | {res.verdict} ({res.divergence_text()}) |"
+                    )
+    if a.markdown:
+        Path(a.markdown).write_text("\n".join(md) + "\n")
     return 0
 
 

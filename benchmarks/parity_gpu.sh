@@ -2,8 +2,10 @@
 # Issue 5 on a CUDA machine: does the GPU compute what the CPU computes?
 #   bash benchmarks/parity_gpu.sh        (logs under $OUT, default ./gpu-out; a few minutes)
 #   DEV=cpu bash benchmarks/parity_gpu.sh  rehearses it without a GPU (cpu against cpu)
-# 1. `mpsrun parity` cpu vs cuda for both shipped recipes, fp32 and bf16 (expect exit 0, "verdict: agree"),
-#    plus a cuda-vs-cuda self-check;
+# 1. `mpsrun parity` cpu vs cuda for both shipped recipes, fp32, bf16 and fp16 (expect exit 0, "verdict:
+#    agree"), plus a cuda-vs-cuda self-check;
+# 1b. fp16 (and fp32, bf16) calibration with A and B on the GPU: benchmarks/parity_calibrate.py
+#    --device cuda -> $OUT/parity_calibration.md (noise per quantity, noise / cap: must stay below 1);
 # 2. short `mpsrun run`s on cuda: the start-up canary must pass in under a second (tags canary.*);
 # 3. summary.txt: verdict, first divergence, largest differences and canary tags per run; the parity
 #    plots (loss per device, difference/tolerance per step) are copied to $OUT/*.png.
@@ -29,12 +31,17 @@ parity() {  # name, recipe, extra args...
   echo "exit $rc" | tee -a "$OUT/parity.log"; echo "$name exit $rc" >> "$OUT/exits.txt"
   [ "$rc" -eq 0 ] || status=1
 }
-for p in fp32 bf16; do
+for p in fp32 bf16 fp16; do
   parity "digits_$p" "$REPO/recipes/digits_mlp.yaml" precision=$p --devices cpu,$DEV --steps 50
   parity "fashion_$p" "$REPO/recipes/fashion_mlp_mps.yaml" $FASHION precision=$p --devices cpu,$DEV --steps 50
 done
 parity "digits_fp32_200" "$REPO/recipes/digits_mlp.yaml" --devices cpu,$DEV --steps 200
 parity "fashion_self" "$REPO/recipes/fashion_mlp_mps.yaml" $FASHION --devices $DEV,$DEV --steps 50
+
+echo "=== calibration: A and B on $DEV, yardstick on the CPU" | tee "$OUT/calibrate.log"
+python3 "$REPO/benchmarks/parity_calibrate.py" --device "$DEV" --precisions fp32,bf16,fp16 --steps 20,200 \
+  --fashion-root "$DATA" --markdown "$OUT/parity_calibration.md" 2>&1 | tee -a "$OUT/calibrate.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "=== canary: short runs on $DEV" | tee "$OUT/run.log"
 mpsrun run "$REPO/recipes/digits_mlp.yaml" device=$DEV epochs=2 --quiet 2>&1 | tee -a "$OUT/run.log"

@@ -90,7 +90,7 @@ def test_plugins_json_lists_builtins_with_structured_parameters(work) -> None:
     params = {p["name"]: p for p in rows[("model", "cnn")]["parameters"]}
     assert params["channels"] == {"name": "channels", "type": "list[int]", "required": False, "default": [32, 64]}
     assert "input_shape" not in params and rows[("model", "cnn")]["filled"] == ["input_shape", "num_classes"]
-    assert rows[("model", "tabular_mlp")]["filled"] == ["input_shape", "num_classes", "data_info"]
+    assert rows[("model", "tabular_mlp")]["filled"] == ["input_shape", "num_classes", "data_info", "num_outputs"]
     tab = {p["name"]: p for p in rows[("dataset", "tabular")]["parameters"]}
     assert tab["path"]["required"] and tab["target"]["required"] and not tab["val_path"]["required"]
     assert "recipe_dir" not in tab and rows[("dataset", "tabular")]["filled"] == ["seed", "recipe_dir"]
@@ -102,7 +102,7 @@ def test_plugins_kind_filter(work) -> None:
     kinds = {x["kind"] for x in json.loads(r.stdout)}
     assert kinds == {"dataset"}
     r = work.cli("plugins", "--kind", "optimizer")
-    assert r.exit_code == 2 and "model or dataset" in r.stderr
+    assert r.exit_code == 2 and "model, dataset, callback or loss" in r.stderr
 
 
 def test_plugins_show_prints_type_hints_and_filled_parameters(work) -> None:

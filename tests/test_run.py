@@ -73,7 +73,7 @@ def test_fashion_recipe_falls_back_from_mps_and_records_both(work, fashion_root)
     assert tags["device.actual"] in ("cpu", "cuda", "cuda:0")
     assert tags["device.fallback"] == "true"
     assert "mps:" in tags["device.skipped"]
-    assert run.data.params["data.train_size"] == "640"
+    assert run.data.params["data.train_size"] == "576"  # 640 less the 10% validation hold-out
 
 
 def test_missing_data_is_bad_input_naming_the_path(work) -> None:

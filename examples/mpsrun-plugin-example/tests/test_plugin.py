@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mpsrun_plugin_example.callbacks import BestMetric
 from mpsrun_plugin_example.datasets import spirals
 from mpsrun_plugin_example.models import residual_mlp
 
@@ -21,3 +22,16 @@ def test_model_maps_inputs_to_class_scores() -> None:
     model = residual_mlp(input_shape=splits.input_shape, num_classes=splits.num_classes)
     x, _ = splits.val.tensors
     assert model(x[:8]).shape == (8, splits.num_classes)
+
+
+def test_callback_logs_the_best_value_and_stops_at_the_target() -> None:
+    from mpsrun.train.callbacks import RunState
+
+    model = torch.nn.Linear(2, 2)
+    run = RunState(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"), epochs=5)
+    cb = BestMetric(stop_at=0.9)
+    for epoch, acc in enumerate([0.5, 0.7, 0.6]):
+        cb.on_epoch_end(run, epoch, {"val_accuracy": acc})
+    assert cb.best == 0.7 and not run.should_stop
+    cb.on_epoch_end(run, 3, {"val_accuracy": 0.95})
+    assert run.should_stop

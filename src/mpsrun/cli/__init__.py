@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from mpsrun.cli import run, plugins, devices, bench, resume  # noqa: F401,I001  (registers the commands, in --help order)
+from mpsrun.cli import run, plugins, devices, bench, resume, sync  # noqa: F401,I001  (registers the commands, in --help order)
 from mpsrun.cli import eval as _eval  # noqa: F401,E402  (registers `mpsrun eval`)
 from mpsrun.cli.common import EXIT_INTERRUPT, app, err
 

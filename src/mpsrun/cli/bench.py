@@ -16,6 +16,7 @@ from mpsrun.cli.common import (
     console,
     err,
     recipe_errors,
+    require_store,
     resolve_recipe,
 )
 
@@ -44,6 +45,7 @@ def bench(
     Exit 0 when every cell ran, 1 when any failed (the table says which, the child run holds the error).
     """
     resolved = resolve_recipe(recipe, overrides)
+    require_store(tracking_uri)
     from rich.markup import escape
 
     from mpsrun.bench import compare as comparemod

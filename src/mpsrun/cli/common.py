@@ -69,3 +69,18 @@ def one_cell(resolved):  # type: ignore[no-untyped-def]
 
     with recipe_errors():
         return single(resolved)
+
+
+def require_store(tracking_uri: str | None) -> None:
+    """Refuse (exit 2, no traceback) a tracking server that does not answer, before any data loads."""
+    import os
+
+    from mpsrun.track import remote
+
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return  # the embedded store: opened (and locked) when the run starts
+    try:
+        remote.require_reachable(uri)
+    except remote.Unreachable as e:
+        raise bad_input(str(e)) from None

@@ -19,6 +19,7 @@ from mpsrun.cli.common import (
     bad_input,
     console,
     err,
+    require_store,
     resolve_recipe,
 )
 
@@ -27,21 +28,16 @@ def ui(
     port: int = typer.Option(5000, "--port", help="Port to serve on (127.0.0.1)."),
     tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="Store to browse; default as for `run`."),
 ) -> None:
-    """Start the MLflow UI on the same store `mpsrun run` writes to."""
-    import subprocess
-    import sys
-
+    """Start the MLflow UI on the same store `mpsrun run` writes to. Ctrl-C / SIGTERM stop it (exit 130 / 143)."""
     from mpsrun.track import store as tracking
+    from mpsrun.track import ui_server
 
     uri, artifacts = tracking.resolve_uri(tracking_uri)
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port)]
-    if artifacts:
-        cmd += ["--default-artifact-root", artifacts]
     console.print(f"MLflow UI for {uri} at http://127.0.0.1:{port}  (Ctrl-C to stop)", highlight=False)
-    try:
-        raise typer.Exit(subprocess.call(cmd))
-    except KeyboardInterrupt:
-        raise typer.Exit(EXIT_INTERRUPT) from None
+    code = ui_server.serve(ui_server.command(uri, artifacts, "127.0.0.1", port))
+    if code in (EXIT_INTERRUPT, 143):
+        err.print("stopped: the MLflow UI server and its workers have exited", highlight=False)
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -84,6 +80,7 @@ def parity(
 ) -> None:
     """Check that two devices compute the same training: loss, gradients, logits, weights. Exit 0 agree, 1 diverge."""
     resolved = resolve_recipe(recipe, overrides)
+    require_store(tracking_uri)
     from mpsrun.devices.parity import run as par
     from mpsrun.train import runner
 

@@ -23,18 +23,18 @@ app.add_typer(plugins_app, name="plugins")
 def plugins_list(
     ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    kind: Optional[str] = typer.Option(None, "--kind", help="Only this kind: model or dataset."),
+    kind: Optional[str] = typer.Option(None, "--kind", help="Only this kind: model, dataset, callback or loss."),
 ) -> None:
-    """List installed model and dataset plugins with distribution and parameters."""
+    """List installed plugins (models, datasets, callbacks, losses) with distribution and parameters."""
     if ctx.invoked_subcommand is not None:
         return
     from rich.markup import escape
 
     from mpsrun.plugins import registry as plugins
 
-    if kind not in (None, "model", "dataset"):
-        raise bad_input(f"--kind must be model or dataset, not '{kind}'")
-    rows = [r for k in ("model", "dataset") if kind in (None, k) for r in plugins.describe_all(k)]
+    if kind not in (None, *plugins.GROUPS):
+        raise bad_input(f"--kind must be model, dataset, callback or loss, not '{kind}'")
+    rows = [r for k in plugins.GROUPS if kind in (None, k) for r in plugins.describe_all(k)]
     if as_json:
         print(json.dumps([{k: v for k, v in r.items() if k != "doc"} for r in rows], indent=2))
         return
@@ -52,9 +52,9 @@ def plugins_show(name: str = typer.Argument(..., help="Plugin name, or distribut
     """Show one plugin in full: where it comes from, its parameters and its docstring."""
     from mpsrun.plugins import registry as plugins
 
-    found = [r for kind in ("model", "dataset") for r in plugins.describe_all(kind) if plugins.matches(r, name)]
+    found = [r for kind in plugins.GROUPS for r in plugins.describe_all(kind) if plugins.matches(r, name)]
     if not found:
-        allnames = plugins.names("model") + plugins.names("dataset")
+        allnames = [n for kind in plugins.GROUPS for n in plugins.names(kind)]
         from mpsrun.recipe.problems import did_you_mean
 
         raise bad_input(f"no plugin named '{name}'{did_you_mean(name, allnames)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -18,6 +19,7 @@ from mpsrun.cli.common import (
     console,
     err,
     one_cell,
+    require_store,
     resolve_recipe,
 )
 
@@ -36,17 +38,36 @@ def run(
 ) -> None:
     """Train a recipe and record metrics, timings and device facts in MLflow."""
     resolved = one_cell(resolve_recipe(recipe, overrides))  # a matrix pinned to one cell runs; more: use bench
+    require_store(tracking_uri)  # an unreachable server: exit 2 in seconds, before any data loads
     if nproc > 1:  # N copies of this command, started by torch's elastic agent (as torchrun does)
         from mpsrun.cli.ranks import launch_ranks
 
         return launch_ranks(resolved, recipe, overrides or [], tracking_uri, quiet, nproc)
+    # MLflow set-up starts now, beside the torch import, data and model (track/background.py).
+    # Not in a rank of a multi-process job (RANK and WORLD_SIZE > 1, as train.distributed.from_env
+    # reads them; not imported here, it imports torch): there distributed.tracker decides who logs.
+    tracker = None
+    if not ("RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1")):
+        from mpsrun.track import background, store
+
+        uri, artifact_root = store.resolve_uri(tracking_uri)
+        try:
+            tracker = background.start(uri, resolved.recipe.tracking.experiment or resolved.path.stem, artifact_root)
+        except background.TrackingSetupError as e:
+            raise bad_input(str(e)) from None
     from mpsrun.train import runner
-    from mpsrun.train.progress import BarProgress, QuietProgress
+    from mpsrun.train.progress import BarProgress, QuietProgress, quality
 
     try:
         setup = runner.prepare(resolved)
     except runner.InputError as e:
+        if tracker is not None:
+            tracker.close(wait=False)
         raise bad_input(str(e)) from None
+    except BaseException:
+        if tracker is not None:
+            tracker.close(wait=False)
+        raise
     r = setup.resolved.recipe
     from mpsrun.train.distributed import is_main_process
 
@@ -60,11 +81,18 @@ def run(
         highlight=False,
     )
     progress = QuietProgress(console) if quiet or not console.is_terminal else BarProgress(console)
+    from mpsrun.track.background import TrackingSetupError
     from mpsrun.train import interrupt
 
     try:
         with interrupt.stop_on_signals():  # SIGINT/SIGTERM: checkpoint, flush, KILLED, exit 130/143
-            summary = runner.execute(setup, tracking_uri, progress)
+            summary = runner.execute(setup, tracking_uri, progress, tracker=tracker)
+    except TrackingSetupError as e:
+        if tracker is not None:
+            tracker.close(wait=False)
+        if isinstance(progress, BarProgress):
+            progress.stop()
+        raise bad_input(str(e)) from None
     except KeyboardInterrupt as e:
         if isinstance(progress, BarProgress):
             progress.stop()
@@ -77,9 +105,13 @@ def run(
         err.print(f"[red]failed:[/] {e} (MLflow run {e.run_id} marked FAILED, traceback in its error.txt)", highlight=False)
         raise typer.Exit(EXIT_FAIL) from None
     res = summary.result
+    if res.stop_reason and isinstance(progress, BarProgress):
+        progress.stop()  # the bar stops itself only after the planned last epoch
     s = res.summary()
+    if res.stop_reason:
+        console.print(f"stopped: {res.stop_reason}", highlight=False)
     console.print(
-        f"done: val_acc {s['final_val_accuracy']:.4f}  first epoch {s['first_epoch_time_s']:.3f} s  "
+        f"done: {quality(res.epochs[-1])}  first epoch {s['first_epoch_time_s']:.3f} s  "
         f"steady epoch {s['steady_epoch_time_s']:.3f} s (median of {max(len(res.epochs) - 1, 1)})  "
         f"total {s['total_train_time_s']:.2f} s  peak memory {s['peak_memory_bytes'] / 2**20:.0f} MiB",
         highlight=False,

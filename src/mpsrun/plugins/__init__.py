@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 def resolve(path: str | Path, overrides: list[str] | None = None) -> Resolved:
     """Load, override and validate a recipe, plugin arguments included (every problem at once)."""
-    from mpsrun.plugins.registry import check_sections
+    from mpsrun.plugins.components import check_all
     from mpsrun.recipe.load import resolve as resolve_recipe
 
-    return resolve_recipe(path, overrides, check=check_sections)
+    return resolve_recipe(path, overrides, check=check_all)

@@ -27,6 +27,14 @@ class DataSplits:
     info: optional facts a model may need beyond num_classes and input_shape (the
         tabular dataset's column cardinalities, say); the runner passes it to a
         model plugin that declares a `data_info` parameter. Keep it JSON-friendly.
+        A regression dataset that standardised its target puts `target_mean` and
+        `target_std` here, and metrics are reported in the target's own units.
+    task: "classification" (int64 labels, num_classes of them) or "regression"
+        (float targets (N,) or (N, k); num_classes is 0). The runner fills a
+        model's `num_outputs` with num_classes or k, and picks the default loss
+        (cross_entropy or mse) and metrics from it.
+    test: optional held-out split, evaluated once after training with the weights
+        the run logs (`test_loss`, `test_accuracy` or the regression metrics).
     """
 
     train: Dataset
@@ -35,6 +43,8 @@ class DataSplits:
     input_shape: tuple[int, ...]
     transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     info: dict[str, Any] = field(default_factory=dict)
+    task: str = "classification"
+    test: Optional[Dataset] = None
 
 
 @dataclass(frozen=True)

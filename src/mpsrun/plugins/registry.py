@@ -18,11 +18,13 @@ from pydantic import ConfigDict, ValidationError, create_model
 
 from mpsrun.recipe.problems import Problem, RecipeSource, did_you_mean
 
-GROUPS = {"model": "mpsrun.models", "dataset": "mpsrun.datasets"}
+GROUPS = {"model": "mpsrun.models", "dataset": "mpsrun.datasets", "callback": "mpsrun.callbacks", "loss": "mpsrun.losses"}
 # Parameters the runner fills in itself; a recipe may not set them.
 FILLED = {
-    "model": ("num_classes", "input_shape", "data_info"),
+    "model": ("num_classes", "num_outputs", "input_shape", "data_info"),
     "dataset": ("seed", "recipe_dir"),
+    "callback": (),
+    "loss": (),
 }
 
 
@@ -195,7 +197,27 @@ def optimizer_class(name: str) -> type:
     return opts[key]
 
 
+def checkable_optimizer(name: str) -> Callable[..., Any]:
+    """For argument checks only: torch.optim's class, or its stand-in read from source (no torch import)."""
+    from mpsrun.plugins.signatures import optimizer_classes
+
+    static = optimizer_classes()
+    if static is None:
+        return optimizer_class(name)
+    # A name not found in the source is looked up in torch itself: "unknown" is always torch's verdict.
+    return static.get(name.lower()) or optimizer_class(name)
+
+
 # ----------------------------------------------------------------------------- recipe checks
+
+
+def checkable(ref: PluginRef, listing: bool = False) -> Callable[..., Any]:
+    """For argument checks and listings only: a built-in plugin's stand-in read from source
+    (signature, hints, docstring; no torch import), else the loaded plugin (`signatures.py`)."""
+    from mpsrun.plugins.signatures import builtin_plugin
+
+    return builtin_plugin(ref.value, ref.distribution, listing) or ref.load()
+
 
 
 def check_sections(src: RecipeSource) -> list[Problem]:
@@ -209,10 +231,10 @@ def check_sections(src: RecipeSource) -> list[Problem]:
         kwargs = {k: v for k, v in raw.items() if k != "name"}
         try:
             if section == "optimizer":
-                fn: Callable[..., Any] = optimizer_class(name)
+                fn: Callable[..., Any] = checkable_optimizer(name)
                 skip: tuple[str, ...] = ("params",)
             else:
-                fn = find(section, name).load()
+                fn = checkable(find(section, name))
                 skip = FILLED[section]
         except PluginError as e:
             problems.append(Problem(f"{section}.name", str(e), src.where((section, "name"))))
@@ -253,7 +275,7 @@ def describe_all(kind: str) -> list[dict[str, Any]]:
             "qualified": ref.qualified,
         }
         try:
-            fn = ref.load()
+            fn = checkable(ref, listing=True)
             info["signature"] = _signature_text(fn, FILLED[kind])
             info["parameters"] = _parameter_rows(fn, FILLED[kind])
             info["filled"] = [p.name for p in parameters(fn) if p.name in FILLED[kind]]

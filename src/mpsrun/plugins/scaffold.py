@@ -57,7 +57,7 @@ def files(names: Names, schema_ref: str | None = None) -> dict[str, str]:
     from mpsrun.recipe.schema import render
 
     ref = schema_ref or "../recipe.schema.json"
-    subs = {"dist": names.dist, "module": names.module, "model": names.model, "dataset": names.dataset, "schema_ref": ref}
+    subs = {"dist": names.dist, "module": names.module, "model": names.model, "dataset": names.dataset, "schema_ref": ref, "callback": f"{names.module}_best"}
     out = {Template(path).substitute(subs): Template(text).substitute(subs) for path, text in _TEMPLATES.items()}
     if schema_ref is None:
         out["recipe.schema.json"] = render()
@@ -100,6 +100,9 @@ $model = "$module.models:$model"
 
 [project.entry-points."mpsrun.datasets"]
 $dataset = "$module.datasets:$dataset"
+
+[project.entry-points."mpsrun.callbacks"]
+$callback = "$module.callbacks:BestMetric"
 
 [tool.hatch.build.targets.wheel]
 packages = ["src/$module"]
@@ -213,6 +216,47 @@ def $dataset(
     )
 '''
 
+_CALLBACKS = '''\
+"""Callback plugins: classes (or callables) that return an mpsrun Callback.
+
+Hooks run between epochs, never inside the step loop. `run.log` records on the
+run's MLflow run; `run.request_stop(reason)` ends the run after this epoch
+(FINISHED, the reason printed). `state_dict` travels in checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from mpsrun.train.callbacks import Callback, RunState
+
+
+class BestMetric(Callback):
+    """Logs the best value so far of `monitor` as best_<monitor>; stops once it reaches `stop_at`."""
+
+    def __init__(self, monitor: str = "val_accuracy", mode: Literal["min", "max"] = "max", stop_at: Optional[float] = None) -> None:
+        self.monitor = monitor
+        self.mode = mode
+        self.stop_at = stop_at
+        self.best: Optional[float] = None
+
+    def on_epoch_end(self, run: RunState, epoch: int, metrics: dict[str, float]) -> None:
+        value = metrics[self.monitor]
+        better = self.best is None or (value > self.best if self.mode == "max" else value < self.best)
+        if better:
+            self.best = value
+        run.log.log_metrics({f"best_{self.monitor}": self.best}, step=epoch)
+        reached = self.stop_at is not None and (self.best >= self.stop_at if self.mode == "max" else self.best <= self.stop_at)
+        if reached:
+            run.request_stop(f"{self.monitor} reached {self.stop_at}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = state.get("best")
+'''
+
 _RECIPE = '''\
 # yaml-language-server: $$schema=$schema_ref
 # $model on $dataset: trains in seconds on a CPU, to over 90% validation accuracy.
@@ -233,6 +277,8 @@ model:
 optimizer:
   name: adam
   lr: 0.01
+callbacks:              # logs best_val_accuracy; add stop_at: 0.95 to end the run there
+  - name: $callback
 tracking:
   experiment: $dataset
 '''
@@ -244,6 +290,7 @@ from __future__ import annotations
 
 import torch
 
+from $module.callbacks import BestMetric
 from $module.datasets import $dataset
 from $module.models import $model
 
@@ -261,6 +308,19 @@ def test_model_maps_inputs_to_class_scores() -> None:
     model = $model(input_shape=splits.input_shape, num_classes=splits.num_classes)
     x, _ = splits.val.tensors
     assert model(x[:8]).shape == (8, splits.num_classes)
+
+
+def test_callback_logs_the_best_value_and_stops_at_the_target() -> None:
+    from mpsrun.train.callbacks import RunState
+
+    model = torch.nn.Linear(2, 2)
+    run = RunState(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"), epochs=5)
+    cb = BestMetric(stop_at=0.9)
+    for epoch, acc in enumerate([0.5, 0.7, 0.6]):
+        cb.on_epoch_end(run, epoch, {"val_accuracy": acc})
+    assert cb.best == 0.7 and not run.should_stop
+    cb.on_epoch_end(run, 3, {"val_accuracy": 0.95})
+    assert run.should_stop
 '''
 
 _README = '''\
@@ -278,6 +338,8 @@ python -m pytest -q tests              # the plugins' own quick checks
 
 - `src/$module/models.py`: `$model(input_shape, num_classes, ...)` returns an `nn.Module`.
 - `src/$module/datasets.py`: `$dataset(..., seed)` returns `mpsrun.DataSplits`.
+- `src/$module/callbacks.py`: `BestMetric`, the callback `$callback`: logs a metric of
+  its own each epoch and can stop the run (`callbacks: [{name: $callback, stop_at: 0.95}]`).
 - `pyproject.toml`: the entry points, `NAME = "module:callable"`. After renaming or
   adding one, run `pip install -e .` again: entry points are read from the
   installed metadata, not from the source.
@@ -294,6 +356,7 @@ _TEMPLATES = {
     "src/$module/__init__.py": _INIT,
     "src/$module/models.py": _MODELS,
     "src/$module/datasets.py": _DATASETS,
+    "src/$module/callbacks.py": _CALLBACKS,
     "recipes/$dataset.yaml": _RECIPE,
     "tests/test_plugin.py": _TEST,
 }

@@ -16,13 +16,15 @@ from pydantic import ValidationError
 
 from mpsrun.recipe.model import Recipe
 from mpsrun.recipe.overrides import apply_overrides, normalize
-from mpsrun.recipe.problems import (
+from mpsrun.recipe.problems import (  # noqa: F401 - Loader and yaml_load are re-exported
+    MAX_RECIPE_BYTES,
     Loader,
     Problem,
     RecipeError,
     RecipeSource,
     _positions,
     did_you_mean,
+    yaml_compose_load,
     yaml_load,
 )
 
@@ -33,14 +35,21 @@ def load_source(path: str | Path) -> RecipeSource:
     """Read YAML safely, keeping line:column of every key for error messages."""
     p = Path(path)
     try:
+        size = p.stat().st_size
+        if size > MAX_RECIPE_BYTES:  # checked before reading: a huge file is refused at once
+            raise RecipeError(
+                [Problem("", f"the file is {size:,} bytes, over the {MAX_RECIPE_BYTES:,}-byte limit for a recipe", f"{p}:1:1")],
+                str(p),
+            )
         text = p.read_text()
     except FileNotFoundError:
         raise RecipeError([Problem("", f"file not found: {p}")], str(p)) from None
     except OSError as e:
         raise RecipeError([Problem("", f"cannot read {p}: {e.strerror}")], str(p)) from None
+    except UnicodeDecodeError as e:
+        raise RecipeError([Problem("", f"not a text file ({e.reason} at byte {e.start})", f"{p}:1:1")], str(p)) from None
     try:
-        node = yaml.compose(text, Loader=Loader)
-        data = yaml_load(text)
+        node, data = yaml_compose_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark else str(p)

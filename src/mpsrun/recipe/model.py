@@ -73,6 +73,33 @@ class CheckpointSection(BaseModel):
     mode: Literal["min", "max"] = Field("min", description="whether a lower (min) or higher (max) monitor is better")
 
 
+class SchedulerSection(PluginSection):
+    """`name:` a torch.optim.lr_scheduler class, its keyword arguments flat beside it, plus how to step it."""
+
+    interval: Literal["epoch", "step"] = Field("epoch", description="step the schedule after each epoch or each optimizer step")
+    warmup_epochs: int = Field(0, ge=0, description="linear warm-up epochs before the schedule (LinearLR + SequentialLR)")
+    warmup_start_factor: float = Field(0.1, gt=0, le=1, description="warm-up starts at this fraction of the learning rate")
+    monitor: str = Field("val_loss", description="metric fed to ReduceLROnPlateau (ignored by other schedules)")
+
+
+class EarlyStoppingSection(BaseModel):
+    """Stop when the monitored metric has not improved for `patience` epochs."""
+
+    model_config = ConfigDict(extra="forbid")
+    monitor: str = "val_loss"
+    mode: Literal["min", "max"] = "min"
+    patience: int = Field(3, ge=1)
+    min_delta: float = Field(0.0, ge=0)
+
+
+class GradClipSection(BaseModel):
+    """Clip the gradients' global norm inside the step; the epoch's largest pre-clip norm is logged as grad_norm."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_norm: float = Field(..., gt=0)
+    norm_type: float = Field(2.0, gt=0)
+
+
 def _matrix_key(key: str) -> str:
     """A matrix key must be a recipe path a cell can set (see `key_problem`)."""
     problem = key_problem(key)
@@ -101,6 +128,15 @@ class Recipe(BaseModel):
     optimizer: PluginSection
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     loader: LoaderSection = Field(default_factory=LoaderSection)
+
+    # Training controls (train/controls.py): all optional; the defaults follow the dataset's task.
+    loss: Union[PluginSection, None] = Field(None, description="a torch.nn loss by snake_case name (mse, cross_entropy, ...) or an mpsrun.losses plugin, with its arguments")
+    metrics: list[str] = Field(default_factory=list, description="metrics beside the task's defaults (top5_accuracy, mse, mae, rmse, r2, accuracy)")
+    scheduler: Union[SchedulerSection, None] = Field(None, description="a torch.optim.lr_scheduler class by name (CosineAnnealingLR), its arguments, interval, warmup_epochs")
+    early_stopping: Union[EarlyStoppingSection, None] = None
+    grad_clip: Union[GradClipSection, None] = None
+    accumulate: int = Field(1, ge=1, description="micro-batches per optimizer step; exact: batch_size 16 x 4 trains like 64")
+    callbacks: list[PluginSection] = Field(default_factory=list, description="mpsrun.callbacks plugins, each {name: ..., <kwargs>}, called between epochs in this order")
 
     # Speed options: each `auto` is resolved per device by the engine and recorded.
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
@@ -174,7 +210,7 @@ def key_problem(key: str) -> str | None:
     ann = Recipe.model_fields[top].annotation
     if ann is TrackingSection:
         return "tracking settings cannot vary: every cell is a child run of one parent, in one experiment"
-    if len(parts) == 1 or ann is PluginSection:
+    if len(parts) == 1 or ann is PluginSection or top in ("loss", "scheduler", "early_stopping", "grad_clip"):
         return None  # plugin arguments are checked against the plugin's signature, per cell
     if ann in (LoaderSection, CheckpointSection):
         sub = list(ann.model_fields)

@@ -79,8 +79,77 @@ Loader.add_implicit_resolver(
 )
 
 
+# Hostile input. YAML aliases let a few hundred bytes stand for billions of nodes
+# (nine levels of ten aliases: 10**9), and everything that walks the loaded recipe
+# (positions, validation, printing) expands them: minutes and gigabytes before any
+# error. A recipe is a few dozen keys, so both bounds sit far above any real one.
+MAX_RECIPE_BYTES = 1 << 20  # 1 MiB of YAML
+MAX_YAML_NODES = 100_000  # nodes once every alias is expanded
+
+
+class YAMLTooLarge(yaml.YAMLError):
+    """The document would expand past MAX_YAML_NODES (or refers to itself)."""
+
+    def __init__(self, problem: str, mark: Any = None) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.problem_mark = mark
+
+
+def check_expansion(node: yaml.Node | None, limit: int = MAX_YAML_NODES) -> int:
+    """Count the nodes `node` stands for with every alias expanded, without expanding them.
+
+    Aliases share node objects, so sizes are memoised per object: linear in the
+    document, whatever it expands to. Raises YAMLTooLarge past `limit`, or on a
+    node that contains itself.
+    """
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(n: yaml.Node) -> int:
+        key = id(n)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            raise YAMLTooLarge("a YAML alias refers to a node that contains it (a recursive recipe)", n.start_mark)
+        active.add(key)
+        total = 1
+        if isinstance(n, yaml.MappingNode):
+            children = [c for pair in n.value for c in pair]
+        elif isinstance(n, yaml.SequenceNode):
+            children = list(n.value)
+        else:
+            children = []
+        for c in children:
+            total += size(c)
+            if total > limit:
+                raise YAMLTooLarge(
+                    f"the YAML expands to more than {limit:,} nodes once its aliases (*name) are expanded "
+                    "(an alias bomb?); a recipe is a few dozen keys",
+                    n.start_mark,
+                )
+        active.discard(key)
+        sizes[key] = total
+        return total
+
+    return size(node) if node is not None else 0
+
+
+def yaml_compose_load(text: str) -> tuple[yaml.Node | None, Any]:
+    """One parse: the node tree (for positions) and the data, with alias expansion bounded."""
+    loader = Loader(text)
+    try:
+        node = loader.get_single_node()
+        check_expansion(node)
+        data = loader.construct_document(node) if node is not None else None
+    finally:
+        loader.dispose()
+    return node, data
+
+
 def yaml_load(text: str) -> Any:
-    return yaml.load(text, Loader=Loader)  # noqa: S506 - Loader is a SafeLoader
+    """Safe, YAML 1.2 scalars, alias expansion bounded (raises yaml.YAMLError)."""
+    return yaml_compose_load(text)[1]
 
 
 @dataclass

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mpsrun.track.lock import store_lock
+from mpsrun.track.spool import Outbox
+
 ENV_URI = "MLFLOW_TRACKING_URI"
 
 
@@ -40,10 +43,17 @@ def resolve_uri(cli_uri: str | None) -> tuple[str, str | None]:
 
 
 def client(uri: str) -> Any:
+    """An MlflowClient for `uri`: SQLite creation/migration under a file lock, writes retried
+    on `database is locked`, HTTP retries bounded (see `track.lock`, `track.remote`)."""
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=uri)
+    from mpsrun.track import lock, remote
+
+    if remote.is_http(uri):
+        remote.bound_http_retries()
+    with lock.store_lock(uri):  # MlflowClient opens (and creates, migrates) the store here
+        return lock.RetryingClient(MlflowClient(tracking_uri=uri))
 
 
 def ensure_experiment(c: Any, name: str, artifact_root: str | None) -> str:
@@ -89,7 +99,8 @@ class Tracker:
         self.artifact_root = artifact_root
         self.interval = interval
         self.c = client(uri)
-        self.experiment_id = ensure_experiment(self.c, experiment, artifact_root)
+        with store_lock(uri):  # two new runs of a new experiment: one creates it
+            self.experiment_id = ensure_experiment(self.c, experiment, artifact_root)
         self.run_id: str | None = None
         self._pending: list[Any] = []
         self._lock = threading.Lock()
@@ -100,6 +111,7 @@ class Tracker:
         self.log_time_s = 0.0  # wall time spent writing metrics, on the worker thread
         self.log_time_during_s = 0.0  # the part of it spent while training was still running
         self.handoff_time_s = 0.0  # time the training thread spent handing metrics over
+        self.outbox = Outbox(uri)  # writes go through it: to the store, or spooled while it is away
 
     # -- lifecycle
     def start(self, run_name: str | None, tags: dict[str, str], parent_run_id: str | None = None) -> RunInfo:
@@ -108,6 +120,7 @@ class Tracker:
             tags["mlflow.parentRunId"] = parent_run_id
         run = self.c.create_run(self.experiment_id, run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
+        self.outbox.bind(self.run_id)
         self._stop.clear()
         self._thread = threading.Thread(target=self._work, name="mpsrun-mlflow", daemon=True)
         self._thread.start()
@@ -126,11 +139,16 @@ class Tracker:
         with self._lock:
             items, self._pending = self._pending, []
         if not items:
+            if self.outbox.pending():
+                self.outbox.try_replay(self.c)
             return
         t = time.perf_counter()
+        self.outbox.try_replay(self.c)
         try:
             for chunk in _chunks(items, 1000):
-                self.c.log_batch(self.run_id, metrics=chunk)
+                self.outbox.send(
+                    lambda chunk=chunk: self.c.log_batch(self.run_id, metrics=chunk), lambda sp, chunk=chunk: sp.batch(metrics=chunk)
+                )
         except Exception as e:  # keep training; reported at the end
             self._errors.append(f"{type(e).__name__}: {e}")
         spent = time.perf_counter() - t
@@ -156,6 +174,7 @@ class Tracker:
         """Continue an existing run (`mpsrun resume`): mark it RUNNING again and start the metric writer."""
         self.c.update_run(run_id, status="RUNNING")
         self.run_id = run_id
+        self.outbox.bind(run_id)
         self._stop.clear()
         self._thread = threading.Thread(target=self._work, name="mpsrun-mlflow", daemon=True)
         self._thread.start()
@@ -163,15 +182,33 @@ class Tracker:
 
     def finish(self, status: str, error: BaseException | None = None) -> None:
         """Record the outcome: FINISHED, FAILED (with the error) or KILLED."""
+        if error is None:
+            self.finish_text(status)
+        else:
+            msg = f"{type(error).__name__}: {error}"
+            tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            self.finish_text(status, msg, tb)
+
+    def finish_text(self, status: str, message: str | None = None, tb: str | None = None) -> None:
+        """`finish` with the error already rendered: the MLflow helper process gets text, not the exception."""
         self.flush()
         if self.run_id is None:
             return
-        if error is not None:
-            msg = f"{type(error).__name__}: {error}"
-            self.c.set_tag(self.run_id, "mpsrun.error", msg[:4900])
-            tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-            self.c.log_text(self.run_id, tb, "error.txt")
-        self.c.set_terminated(self.run_id, status)
+        if message is not None:
+            self.set_tags({"mpsrun.error": message})
+            self.log_text(tb or message, "error.txt")
+        self.outbox.try_replay(self.c)
+        if self.outbox.spooled:
+            self.set_tags({"mpsrun.spool": self.outbox.summary()})
+        run_id = self.run_id
+        self.outbox.send(lambda: self.c.set_terminated(run_id, status), lambda sp: sp.terminate(status))
+        if self.outbox.pending():
+            assert self.outbox.spool is not None
+            self.outbox.note(
+                f"run {run_id} ended ({status}) while the tracking store {self.uri} was away: "
+                f"{self.outbox.spool.count()} writes wait in {self.outbox.spool.path}; "
+                f"when the store answers, replay them with: mpsrun sync --tracking-uri {self.uri}"
+            )
 
     # -- data
     def log_params(self, params: dict[str, Any]) -> None:
@@ -179,14 +216,14 @@ class Tracker:
 
         items = [Param(k, _param_value(v)) for k, v in sorted(params.items())]
         for chunk in _chunks(items, 100):
-            self.c.log_batch(self.run_id, params=chunk)
+            self.outbox.send(lambda chunk=chunk: self.c.log_batch(self.run_id, params=chunk), lambda sp, chunk=chunk: sp.batch(params=chunk))
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
 
         items = [RunTag(k, str(v)[:4900]) for k, v in sorted(tags.items())]
         for chunk in _chunks(items, 100):
-            self.c.log_batch(self.run_id, tags=chunk)
+            self.outbox.send(lambda chunk=chunk: self.c.log_batch(self.run_id, tags=chunk), lambda sp, chunk=chunk: sp.batch(tags=chunk))
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Buffered: returns at once; written by the worker (or by `flush`)."""
@@ -202,10 +239,10 @@ class Tracker:
             self._write_pending()
 
     def log_text(self, text: str, name: str) -> None:
-        self.c.log_text(self.run_id, text, name)
+        self.outbox.send(lambda: self.c.log_text(self.run_id, text, name), lambda sp: sp.text(text, name))
 
     def log_file(self, path: str | Path, folder: str | None = None) -> None:
-        self.c.log_artifact(self.run_id, str(path), folder)
+        self.outbox.send(lambda: self.c.log_artifact(self.run_id, str(path), folder), lambda sp: sp.artifact(path, folder))
 
     def log_state_dict(self, state: dict[str, Any], name: str = "model.pt") -> None:
         import torch
@@ -213,7 +250,7 @@ class Tracker:
         with tempfile.TemporaryDirectory() as d:
             p = Path(d) / name
             torch.save({k: v.detach().cpu() for k, v in state.items()}, p)
-            self.c.log_artifact(self.run_id, str(p))
+            self.log_file(p)
 
 
 def _param_value(v: Any) -> str:

@@ -329,10 +329,12 @@ def reduce_sums(*tensors: torch.Tensor) -> None:
         return
     import torch.distributed as dist
 
-    flat = torch.stack([t.detach().reshape(()).to(torch.float64) for t in tensors])
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])  # vectors too (regression sums)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    for t, v in zip(tensors, flat):
-        t.copy_(v.to(t.dtype))
+    i = 0
+    for t in tensors:
+        t.copy_(flat[i : i + t.numel()].view(t.shape).to(t.dtype))
+        i += t.numel()
 
 
 def gather(obj: Any) -> list[Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from mpsrun.devices import resolve as devices
 from mpsrun.train.callbacks import Callback, RunState
 from mpsrun.train.data import BatchPlan, ResidentBatches
 from mpsrun.train.distributed import reduce_sums
+from mpsrun.train.objective import Objective
 from mpsrun.train.steps import GRAPH_STEPS, GraphTrainer, Options, Trainer, restore_state, snapshot_state
 
 __all__ = ["GRAPH_STEPS", "EpochMetrics", "GraphTrainer", "Listener", "Listeners", "Options", "TrainResult", "Trainer", "train"]
@@ -31,18 +32,20 @@ class EpochMetrics:
     epoch: int
     train_loss: float
     val_loss: float
-    val_accuracy: float
+    val_accuracy: float | None  # None for regression, whose metrics are in `extra`
     epoch_time_s: float
     train_time_s: float
     val_time_s: float
     train_samples_per_s: float
     memory_bytes: int
+    extra: dict[str, float] = field(default_factory=dict)  # the task's other metrics, lr, grad_norm
 
     def metrics(self) -> dict[str, float]:
         return {
             "train_loss": self.train_loss,
             "val_loss": self.val_loss,
-            "val_accuracy": self.val_accuracy,
+            **({"val_accuracy": self.val_accuracy} if self.val_accuracy is not None else {}),
+            **self.extra,
             "epoch_time_s": self.epoch_time_s,
             "train_time_s": self.train_time_s,
             "val_time_s": self.val_time_s,
@@ -84,7 +87,7 @@ class TrainResult:
                 [e.train_samples_per_s for e in self.epochs[1:]] or [last.train_samples_per_s]
             ),
             "peak_memory_bytes": float(self.peak_memory_bytes),
-            "final_val_accuracy": last.val_accuracy,
+            **({"final_val_accuracy": last.val_accuracy} if last.val_accuracy is not None else {}),
             "final_val_loss": last.val_loss,
         }
 
@@ -140,16 +143,19 @@ def train(
     callbacks: Callback | None = None,
     state: RunState | None = None,
     start_epoch: int = 0,
+    objective: Objective | None = None,
 ) -> TrainResult:
     """Train epochs `start_epoch`..`epochs - 1`, validating after each; returns every epoch's measured figures.
 
     Callbacks run between epochs (after the listener has the epoch's metrics) and
     may end the run early through `state.request_stop`.
     """
-    trainer: Trainer = (GraphTrainer if options.graphs else Trainer)(model, optimizer, device, options, plan.transform)
+    trainer: Trainer = (GraphTrainer if options.graphs else Trainer)(model, optimizer, device, options, plan.transform, objective)
     listener.on_start(epochs, len(plan.train), len(plan.val))
     callbacks = callbacks or Callback()
     state = state or RunState(model, optimizer, device, epochs)
+    if trainer.scaler is not None:  # fp16: checkpoints carry the grad scaler; a restored one is used
+        trainer.scaler = state.extras.setdefault("scaler", trainer.scaler)
     n_train = plan.train.samples
     n_val = plan.val.samples
     results: list[EpochMetrics] = []
@@ -162,6 +168,8 @@ def train(
             getattr(batches, "set_epoch", lambda e: None)(epoch)
         callbacks.on_epoch_start(state, epoch)
         trainer.loss_sum.zero_()
+        lr = optimizer.param_groups[0]["lr"]
+        lr = float(lr)  # the rate this epoch trains at (a tensor under graphs: read before the clock)
         devices.synchronize(device)
         t0 = time.perf_counter()
         if epoch == start_epoch and options.compile:
@@ -173,15 +181,17 @@ def train(
         t1 = time.perf_counter()
         reduce_sums(trainer.loss_sum)  # over every rank of a DDP job; a no-op in one process
         train_loss = trainer.loss_sum.item() / n_train  # the epoch's one read of the loss
+        extra = {"lr": lr, **trainer.objective.epoch_metrics()}
         listener.on_validate(epoch)
         trainer.loss_sum.zero_()
-        trainer.correct.zero_()
+        trainer.objective.metrics.reset()
         trainer.val_epoch(plan)
         devices.synchronize(device)
         t2 = time.perf_counter()
-        reduce_sums(trainer.loss_sum, trainer.correct)  # the whole validation set, across ranks
+        reduce_sums(trainer.loss_sum, *trainer.objective.metrics.tensors())  # the whole validation set, across ranks
         val_loss = trainer.loss_sum.item() / n_val
-        val_acc = trainer.correct.item() / n_val
+        extra.update(trainer.objective.metrics.compute(n_val))
+        val_acc = extra.pop("val_accuracy", None)
         peak = max(peak, devices.memory_bytes(device))
         m = EpochMetrics(
             epoch=epoch,
@@ -193,6 +203,7 @@ def train(
             val_time_s=t2 - t1,
             train_samples_per_s=n_train / max(t1 - t0, 1e-9),
             memory_bytes=peak,
+            extra=extra,
         )
         results.append(m)
         listener.on_epoch_end(m)
@@ -214,7 +225,7 @@ def _capture_or_eager(trainer: "GraphTrainer", plan: BatchPlan, listener: Listen
         trainer.options.notes.append(note)
         trainer.options.graphs = False
         listener.on_note(note)
-        return Trainer(trainer.model, trainer.optimizer, trainer.device, trainer.options, trainer.transform)
+        return Trainer(trainer.model, trainer.optimizer, trainer.device, trainer.options, trainer.transform, trainer.objective)
 
 
 def _first_batch(batches: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,7 +241,7 @@ def _compile_or_eager(trainer: Trainer, plan: BatchPlan, listener: Listener) -> 
     and the fallback is said on screen and recorded.
     """
     base = getattr(trainer.model, "_orig_mod", trainer.model)  # same tensors, stable key names
-    snapshot = snapshot_state(base, trainer.optimizer, (trainer.loss_sum, trainer.correct))
+    snapshot = snapshot_state(base, trainer.optimizer, trainer.accumulators())
     try:
         for kind, batches in (("train", plan.train), ("val", plan.val)):
             x, y = _first_batch(batches)

@@ -21,10 +21,17 @@ from rich.progress import (
 from mpsrun.train.engine import EpochMetrics, Listener
 
 
+def quality(m: EpochMetrics) -> str:
+    """The task's headline figure: accuracy, or R^2 and MAE for regression."""
+    if m.val_accuracy is not None:
+        return f"val_acc {m.val_accuracy:.4f}"
+    return "  ".join(f"{k} {m.extra[k]:.4g}" for k in ("val_r2", "val_mae") if k in m.extra)
+
+
 def epoch_line(m: EpochMetrics, epochs: int) -> str:
     return (
         f"epoch {m.epoch + 1}/{epochs}  train_loss {m.train_loss:.4f}  val_loss {m.val_loss:.4f}  "
-        f"val_acc {m.val_accuracy:.4f}  {m.epoch_time_s:.3f} s  {m.train_samples_per_s:,.0f} samples/s"
+        f"{quality(m)}  {m.epoch_time_s:.3f} s  {m.train_samples_per_s:,.0f} samples/s"
     )
 
 
@@ -86,7 +93,7 @@ class BarProgress(QuietProgress):
 
     def on_epoch_end(self, m: EpochMetrics) -> None:
         self.loss = f"{m.train_loss:.4f}"
-        self.progress.update(self.epoch_task, advance=1, info=f"val_acc {m.val_accuracy:.4f}")
+        self.progress.update(self.epoch_task, advance=1, info=quality(m))
         self.progress.console.print(epoch_line(m, self.epochs), highlight=False)
         self.progress.update(self.batch_task, completed=0)
         if m.epoch + 1 == self.epochs:

@@ -11,6 +11,7 @@ import inspect
 import random
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from mpsrun.recipe.load import Resolved, flatten
 from mpsrun.recipe.model import Recipe
 from mpsrun.track import store as tracking
 from mpsrun.track.standard import bookkeeping
-from mpsrun.train import distributed, record, shards
+from mpsrun.train import controls, distributed, final_eval, record, shards
 from mpsrun.train.callbacks import Callback, Callbacks, RunState  # noqa: F401 - Callbacks: public here
 from mpsrun.train.continuity import Continuity, ResumePoint
 from mpsrun.train.data import BatchPlan, plan_batches
@@ -56,6 +57,8 @@ class Setup:
     options: Options
     notes: list[str] = field(default_factory=list)
     callbacks: list[Callback] = field(default_factory=list)  # called between epochs, in this order
+    objective: controls.Objective | None = None  # loss, metrics, clipping, accumulation (train/controls.py)
+    extras: dict = field(default_factory=dict)  # RunState.extras: the scheduler, ... (checkpoints carry them)
 
 
 @dataclass
@@ -89,7 +92,11 @@ def build_data(recipe: Recipe, resolved: Resolved) -> DataSplits:
 
 
 def build_model(recipe: Recipe, splits: DataSplits) -> nn.Module:
-    filled = {"num_classes": splits.num_classes, "input_shape": tuple(splits.input_shape), "data_info": dict(splits.info)}
+    try:
+        outputs = controls.num_outputs(splits)
+    except controls.ControlError as e:
+        raise InputError(str(e)) from None
+    filled = {"num_classes": splits.num_classes, "num_outputs": outputs, "input_shape": tuple(splits.input_shape), "data_info": dict(splits.info)}
     try:
         model = plugins.build("model", recipe.model.name, recipe.model.kwargs, filled)
     except plugins.PluginError as e:
@@ -200,6 +207,7 @@ def prepare(resolved: Resolved) -> Setup:
     notes += share_notes
     options = resolve_options(recipe, device, model, plan)
     distributed.adjust_options(options, recipe.graphs)
+    controls.adjust_options(recipe, options)  # what CUDA graphs cannot carry, before `capturable` is decided
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = options.cudnn_benchmark  # fixed shapes: time algorithms once
     model = model.to(device)
@@ -208,9 +216,14 @@ def prepare(resolved: Resolved) -> Setup:
     model = distributed.wrap(model, device)  # DDP when one of several ranks
     shards.attach(model, plan)
     optimizer = build_optimizer(recipe, model, options.graphs)
+    try:
+        ctl = controls.build(recipe, splits, model, optimizer, plan, options, device)
+    except controls.ControlError as e:
+        raise InputError(str(e)) from None
+    notes += ctl.notes + splits.info.get("notes", [])
     if options.compile:
         model = _compile(model, options)
-    return Setup(resolved, choice, splits, model, optimizer, plan, options, notes)
+    return Setup(resolved, choice, splits, model, optimizer, plan, options, notes, list(ctl.callbacks), ctl.objective, ctl.extras)
 
 
 def _compile(model: nn.Module, options: Options) -> nn.Module:
@@ -251,13 +264,23 @@ def _version() -> str:
     return __version__
 
 
-def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = None, parent_run_id: str | None = None, tags: dict[str, str] | None = None, resume: ResumePoint | None = None, experiment: str | None = None) -> RunSummary:
-    """Start the MLflow run (or continue one: `resume`), train, and record the outcome, whatever it is."""
+def experiment_name(resolved: Resolved) -> str:
+    """The run's MLflow experiment: the recipe's `tracking.experiment`, else the recipe file's name."""
+    return resolved.recipe.tracking.experiment or resolved.path.stem
+
+
+def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = None, parent_run_id: str | None = None, tags: dict[str, str] | None = None, resume: ResumePoint | None = None, experiment: str | None = None, tracker: Any = None) -> RunSummary:
+    """Start the MLflow run (or continue one: `resume`), train, and record the outcome, whatever it is.
+
+    `tracker`: one already being set up (`track.background`, started before torch was
+    imported); by default a `store.Tracker` is set up here.
+    """
     r = setup.resolved
     recipe = r.recipe
-    uri, artifact_root = tracking.resolve_uri(tracking_uri)
-    experiment = experiment or recipe.tracking.experiment or r.path.stem
-    tracker = distributed.tracker(uri, experiment, artifact_root)  # rank 0 alone writes: one run per job
+    if tracker is None:
+        uri, artifact_root = tracking.resolve_uri(tracking_uri)
+        experiment = experiment or experiment_name(r)
+        tracker = distributed.tracker(uri, experiment, artifact_root)  # rank 0 alone writes: one run per job
     job_tags, rank_facts = distributed.job_tags(setup.choice.device, devices.choice_tags(setup.choice))
     all_tags = {**run_tags(setup), **job_tags, **(tags or {})}
     if resume is None:
@@ -290,6 +313,7 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
     keep = Continuity(setup, tracker, all_tags, listeners.on_note, resume)  # liveness, non-finite guard, checkpoints
     listeners.items.append(keep.guard.listener)
     state = RunState(setup.model, setup.optimizer, setup.choice.device, recipe.epochs, log=tracker)
+    state.extras.update(setup.extras)  # the LR scheduler: checkpoints save and restore it
     try:
         canary.guard(setup, tracker.set_tags, listeners.on_note)  # wrong-answer ops stop the run here
         result = train(
@@ -303,8 +327,11 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
             callbacks=keep.callbacks([*setup.callbacks, *([record.callback(rec)] if main else [])]),
             state=state,
             start_epoch=keep.start_epoch,
+            objective=setup.objective,
         )
         keep.after_fit(state, setup.model)  # model_from: best puts the best weights back before they are logged
+        if setup.splits.test is not None and setup.objective is not None:  # after that: the weights that are logged
+            tracker.log_metrics(final_eval.evaluate(setup.model, setup.optimizer, setup.objective, setup.splits.test, recipe.batch_size, setup.choice.device, setup.options, setup.splits.transform))
         tracker.log_metrics(result.summary())
         errors = tracker.flush()
         tracker.log_metrics(
@@ -313,13 +340,18 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
                     "mlflow_log_time_s": tracker.log_time_s,
                     "mlflow_log_time_during_training_s": tracker.log_time_during_s,
                     "mlflow_handoff_time_s": tracker.handoff_time_s,
+                    **({"mlflow_setup_wait_s": tracker.setup_wait_s} if hasattr(tracker, "setup_wait_s") else {}),
                 }
             )
         )
         seen = len(rec.notes)
         if main:
             distributed.for_recording(setup)  # the user's module and the whole validation set, on rank 0
-            record.end(rec, result)  # figures, description, the logged (and registered) model
+            outbox = getattr(tracker, "outbox", None)
+            if outbox is not None and outbox.pending():  # the store is away: the spool keeps metrics, params, tags and status, not models
+                rec.notes.append("the tracking store is away at the end of training: figures and the logged model are skipped (metrics, params, tags and the final status are spooled)")
+            else:
+                record.end(rec, result)  # figures, description, the logged (and registered) model
         record.stop(rec)
         for note in rec.notes[seen:]:
             listeners.on_note(note)

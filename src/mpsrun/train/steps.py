@@ -7,14 +7,15 @@ the speed lives, can grow (losses, clipping, accumulation) in a room of its own.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mpsrun.train.data import BatchPlan, ResidentBatches
+from mpsrun.train.objective import Objective, micro_batches
 
 if TYPE_CHECKING:
     from mpsrun.train.engine import Listener
@@ -54,6 +55,7 @@ class Trainer:
         device: torch.device,
         options: Options,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        objective: Objective | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -62,8 +64,13 @@ class Trainer:
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options.precision)
         self.scaler = torch.amp.GradScaler(device.type) if options.precision == "fp16" else None
         self.loss_sum = torch.zeros((), device=device)
-        self.correct = torch.zeros((), dtype=torch.long, device=device)
         self.transform = transform  # the dataset's, applied on the device inside the step
+        self.objective = objective or Objective.default(device)  # loss, metrics, clipping, accumulation
+        self.correct = self.objective.metrics.correct  # classification's correct-count (kept by name)
+
+    def accumulators(self) -> tuple[torch.Tensor, ...]:
+        """Every device-side sum a step adds to (warm-up and compile probes restore them)."""
+        return (self.loss_sum, *self.objective.tensors())
 
     def autocast(self, cache: bool = True) -> contextlib.AbstractContextManager:
         if self.amp_dtype is None:
@@ -77,33 +84,49 @@ class Trainer:
             x = x.contiguous(memory_format=torch.channels_last)
         return x
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, cache: bool = True) -> None:
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, cache: bool = True, weight: float = 1.0, first: bool = True, last: bool = True) -> None:
+        """One micro-batch; the optimizer steps on the `last` of an accumulation group (see objective.py)."""
         x = self.prepare(x)
         with self.autocast(cache):
-            loss = F.cross_entropy(self.model(x), y)
-        self.optimizer.zero_grad(set_to_none=True)
+            loss = self.objective.loss(self.model(x), y)
+        if first:
+            self.optimizer.zero_grad(set_to_none=True)
+        scaled = loss if weight == 1.0 else loss * weight
         if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
+            self.scaler.scale(scaled).backward()
+            if last:
+                self.scaler.unscale_(self.optimizer)  # clip true gradients, not scaled ones
+                self.objective.clip(self.model)
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
         else:
-            loss.backward()
-            self.optimizer.step()
+            scaled.backward()
+            if last:
+                self.objective.clip(self.model)
+                self.optimizer.step()
+        if last:
+            for hook in self.objective.after_step:
+                hook()
         self.loss_sum.add_(loss.detach().float(), alpha=y.shape[0])
 
     def val_step(self, x: torch.Tensor, y: torch.Tensor, cache: bool = True) -> None:
         x = self.prepare(x)
         with self.autocast(cache):
             logits = self.model(x)
-        self.loss_sum.add_(F.cross_entropy(logits.float(), y, reduction="sum"))
-        self.correct.add_((logits.argmax(dim=1) == y).sum())
+        self.loss_sum.add_(self.objective.loss(logits, y).float(), alpha=y.shape[0])
+        self.objective.metrics.update(logits, y)
 
     def train_epoch(self, plan: BatchPlan, epoch: int, listener: Listener) -> None:
         self.model.train()
         seen = 0
         every = self.options.log_every
-        for step, (x, y) in enumerate(plan.train, start=1):
-            self.train_step(x, y)
+        if self.objective.accumulate > 1:
+            bs = getattr(plan.train, "batch_size", None) or plan.train.loader.batch_size  # type: ignore[union-attr]
+            groups: Any = micro_batches(plan.train.samples, bs, self.objective.accumulate)
+        else:
+            groups = itertools.repeat((1.0, True, True))
+        for step, ((x, y), (weight, first, last)) in enumerate(zip(plan.train, groups), start=1):
+            self.train_step(x, y, weight=weight, first=first, last=last)
             seen += y.shape[0]
             loss = self.loss_sum.item() / seen if every and step % every == 0 else None
             listener.on_step(epoch, step, seen, loss)
@@ -136,7 +159,7 @@ class GraphTrainer(Trainer):
         sx = x[: k * b].reshape(k, b, *x.shape[1:]).clone()
         sy = y[: k * b].reshape(k, b).clone()
         step = self.train_step if kind == "train" else self.val_step
-        snapshot = snapshot_state(self.model, self.optimizer, (self.loss_sum, self.correct))
+        snapshot = snapshot_state(self.model, self.optimizer, self.accumulators())
         try:
             with torch.no_grad() if kind == "val" else contextlib.nullcontext():
                 side = torch.cuda.Stream(self.device)

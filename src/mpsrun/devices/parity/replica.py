@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from mpsrun.devices import resolve as devices
-from mpsrun.devices.parity.tolerance import FLOORS, NOISE_FACTOR, Tolerance, _host
+from mpsrun.devices.parity.tolerance import FLOORS, NOISE_CAPS, NOISE_FACTOR, Tolerance, _host
 from mpsrun.recipe.load import Resolved
 from mpsrun.recipe.model import DEVICE_PATTERN
 from mpsrun.train import runner
@@ -207,6 +207,7 @@ def prepare(
         floor_atol if atol is None else atol,
         floor_rtol if rtol is None else rtol,
         NOISE_FACTOR if noise_factor is None else noise_factor,
+        dict(NOISE_CAPS[prec_a]),
     )
     if recipe.compile is True or recipe.graphs is True:
         notes.append("parity runs eager steps: torch.compile and CUDA graphs are not used")

@@ -72,6 +72,18 @@ class ParityResult:
         return None
 
     @property
+    def a_suspect(self) -> bool:
+        """At the first divergence, the yardstick disagreed with A beyond what the precision explains."""
+        fd = self.first_divergence
+        if fd is None:
+            return False
+        step, qs = fd
+        if qs == ["params"] and not any(r.exceeded() for r in self.records):
+            return self.params.suspect
+        rec = next(r for r in self.records if r.step == step)
+        return any(rec.diffs[q].suspect for q in qs)
+
+    @property
     def verdict(self) -> str:
         return "agree" if self.first_divergence is None else "diverge"
 
@@ -81,7 +93,8 @@ class ParityResult:
             return "none"
         step, qs = fd
         where = "step 0 (initial weights)" if step == 0 else f"step {step}"
-        return f"{where}: {', '.join(qs)}"
+        suspect = f" (A suspect: the {self.yardstick} yardstick disagrees with {self.devices[0]})" if self.a_suspect else ""
+        return f"{where}: {', '.join(qs)}{suspect}"
 
     def as_json(self) -> dict:
         return {
@@ -92,6 +105,7 @@ class ParityResult:
             "tolerance": asdict(self.tolerance),
             "yardstick": self.yardstick,
             "verdict": self.verdict,
+            "a_suspect": self.a_suspect,
             "first_divergence": self.divergence_text(),
             "summary": {q: asdict(s) for q, s in self.summary().items()},
             "params": asdict(self.params),

@@ -150,7 +150,7 @@ def execute(
     def probe(rec: StepRecord) -> None:
         la, lb = a.probe(prep.probe_x), b.probe(prep.probe_x)
         n = noise("logits", y.probe(prep.probe_x), la) if y is not None else 0.0
-        rec.diffs["logits"] = diff(lb, la, tol, n)
+        rec.diffs["logits"] = diff(lb, la, tol, n, quantity="logits")
         if la.dim() == 2 and la.shape == lb.shape:
             rec.argmax_agreement = float((la.argmax(1) == lb.argmax(1)).double().mean())
         records.append(rec)
@@ -170,8 +170,8 @@ def execute(
             rec = StepRecord(i, (loss_a, loss_b), (gn_a, gn_b))
             nl = noise("loss", outs[2][0], loss_a) if y is not None else 0.0
             ng = noise("grad_norm", outs[2][1], gn_a) if y is not None else 0.0
-            rec.diffs["loss"] = diff(loss_b, loss_a, tol, nl)
-            rec.diffs["grad_norm"] = diff(gn_b, gn_a, tol, ng)
+            rec.diffs["loss"] = diff(loss_b, loss_a, tol, nl, quantity="loss")
+            rec.diffs["grad_norm"] = diff(gn_b, gn_a, tol, ng, quantity="grad_norm")
             probe(rec)
             n_steps = i
         pa, pb = a.parameters(), b.parameters()
@@ -179,7 +179,7 @@ def execute(
     # Weights are compared by what training did to them: relative to A's update from the shared start.
     p0 = {k: v.detach().double() for k, v in prep.model.state_dict().items()}
     per_param = {
-        k: diff(pb.get(k, math.nan), pa[k], tol, relative(py[k], pa[k], p0[k]) if k in py else 0.0, p0[k])
+        k: diff(pb.get(k, math.nan), pa[k], tol, relative(py[k], pa[k], p0[k]) if k in py else 0.0, p0[k], quantity="params")
         for k in pa
     }
     worst = max(per_param, key=lambda k: per_param[k].ratio if not math.isnan(per_param[k].ratio) else math.inf) if per_param else "none"
@@ -312,6 +312,7 @@ def _record(tracker: tracking.Tracker, result: ParityResult) -> None:
         "parity.noise_factor": f"{result.tolerance.noise_factor:g}",
         "parity.yardstick": result.yardstick,
         "parity.worst_param": result.worst_param,
+        "parity.a_suspect": str(result.a_suspect).lower(),
         "mpsrun.notes": " | ".join(result.notes) or "none",
     }
     for i, note in enumerate(result.notes):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, Optional
 
 from torch import nn
 
@@ -13,6 +13,7 @@ _ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
 def mlp(
     input_shape: tuple[int, ...],
     num_classes: int,
+    num_outputs: Optional[int] = None,
     hidden: list[int] = [512, 512],  # noqa: B006 - shown as the default in `mpsrun plugins`
     dropout: float = 0.0,
     activation: Literal["relu", "gelu", "tanh"] = "relu",
@@ -25,5 +26,5 @@ def mlp(
         if dropout > 0:
             layers.append(nn.Dropout(dropout))
         width = h
-    layers.append(nn.Linear(width, num_classes))
+    layers.append(nn.Linear(width, num_outputs or num_classes))  # num_outputs: k for regression
     return nn.Sequential(*layers)

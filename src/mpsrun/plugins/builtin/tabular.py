@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from torch import nn
@@ -69,10 +69,11 @@ def tabular(
     numeric: list[str] = [],  # noqa: B006
     val_path: Optional[str] = None,
     val_fraction: float = 0.2,
+    task: Literal["classification", "regression"] = "classification",
     seed: int = 0,
     recipe_dir: str = ".",
 ) -> DataSplits:
-    """A CSV file with a class column, named categorical columns and named numeric columns.
+    """A CSV file with a class column (or, with task regression, a numeric target), named categorical and numeric columns.
 
     path and val_path are read relative to the recipe file's folder (absolute paths
     work too). Without val_path, a seeded val_fraction of the rows is held out.
@@ -82,7 +83,10 @@ def tabular(
     standard deviation only; empty numeric cells get the training mean (0 after
     standardising). Columns not named are ignored. Each sample is one float32
     vector: codes first, then numbers; models read the column split and the
-    cardinalities from data_info (see tabular_mlp).
+    cardinalities from data_info (see tabular_mlp). With task: regression the target
+    is a number: standardised with the training split's mean and standard deviation
+    for training (data_info target_mean, target_std), and the run reports its
+    metrics (val_mae, val_rmse, val_r2) in the target's own units.
     """
     import numpy as np
 
@@ -115,15 +119,38 @@ def tabular(
 
     if (train_df[target].str.strip() == "").any() or (val_df[target].str.strip() == "").any():
         raise ValueError(f"tabular: target column '{target}' has empty cells")
-    classes = _label_order(set(train_df[target].str.strip()) | set(val_df[target].str.strip()))
-    if len(classes) < 2:
-        raise ValueError(f"tabular: target column '{target}' has a single class ({classes[0]!r})")
-    class_index = {c: i for i, c in enumerate(classes)}
+    if task == "regression":
+        t_train = _numbers(train_df, target, train_file)
+        t_mean, t_std = float(t_train.mean()), float(t_train.std())
+        t_std = t_std if t_std > 0 else 1.0
+        classes: list[str] = []
+        class_index: dict[str, int] = {}
+    else:
+        classes, class_index = _classes(train_df, val_df, target)
+    regression = task == "regression"
+
+    def labels(df: Any, file: Path) -> torch.Tensor:
+        if regression:
+            return torch.from_numpy(((_numbers(df, target, file) - t_mean) / t_std).astype("float32"))
+        return torch.tensor([class_index[v] for v in df[target].str.strip()], dtype=torch.long)
 
     vocab = {}
     for col in categorical:
         seen = sorted(set(train_df[col].str.strip()) - {""})
         vocab[col] = {v: i + 1 for i, v in enumerate(seen)}  # 0 is UNKNOWN
+
+    return _encode_all(train_df, val_df, train_file, val_file, categorical, numeric, vocab, classes, target, labels, task, (t_mean, t_std) if regression else None)
+
+
+def _classes(train_df: Any, val_df: Any, target: str) -> tuple[list[str], dict[str, int]]:
+    classes = _label_order(set(train_df[target].str.strip()) | set(val_df[target].str.strip()))
+    if len(classes) < 2:
+        raise ValueError(f"tabular: target column '{target}' has a single class ({classes[0]!r})")
+    return classes, {c: i for i, c in enumerate(classes)}
+
+
+def _encode_all(train_df: Any, val_df: Any, train_file: Path, val_file: Path, categorical: list[str], numeric: list[str], vocab: dict, classes: list[str], target: str, labels: Any, task: str, scale: Optional[tuple[float, float]]) -> DataSplits:
+    import numpy as np
 
     mean, std = [], []
     for col in numeric:
@@ -140,8 +167,7 @@ def tabular(
             v = (_numbers(df, c, file) - mean[j]) / std[j]
             cols.append(np.nan_to_num(v, nan=0.0).astype("float32"))
         x = torch.from_numpy(np.stack(cols, axis=1).astype("float32"))
-        y = torch.tensor([class_index[v] for v in df[target].str.strip()], dtype=torch.long)
-        return TensorDataset(x, y)
+        return TensorDataset(x, labels(df, file))
 
     info = {
         "layout": "float32 vector: categorical codes first, then standardised numeric columns",
@@ -153,13 +179,17 @@ def tabular(
         "numeric_std": std,
         "classes": classes,
         "target": target,
+        "task": task,
     }
+    if scale is not None:
+        info["target_mean"], info["target_std"] = scale
     return DataSplits(
         train=encode(train_df, train_file),
         val=encode(val_df, val_file),
         num_classes=len(classes),
         input_shape=(len(categorical) + len(numeric),),
         info=info,
+        task=task,
     )
 
 
@@ -192,6 +222,7 @@ def tabular_mlp(
     input_shape: tuple[int, ...],
     num_classes: int,
     data_info: dict[str, Any],
+    num_outputs: Optional[int] = None,
     hidden: list[int] = [128, 64],  # noqa: B006 - shown as the default in `mpsrun plugins`
     embedding_dim: Optional[int] = None,
     dropout: float = 0.1,
@@ -214,4 +245,4 @@ def tabular_mlp(
     n_numeric = width - len(cards)
     if len(input_shape) != 1 or n_numeric < 0:
         raise ValueError(f"tabular_mlp: input_shape {tuple(input_shape)} does not fit {len(cards)} categorical columns")
-    return TabularMLP(list(cards), n_numeric, num_classes, list(hidden), embedding_dim, dropout)
+    return TabularMLP(list(cards), n_numeric, num_outputs or num_classes, list(hidden), embedding_dim, dropout)

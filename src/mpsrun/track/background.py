@@ -1,0 +1,293 @@
+"""MLflow set-up beside the rest of start-up: a helper process (default), a thread, or inline.
+
+Why: importing mlflow and opening its SQLite store (SQLAlchemy engine, alembic
+schema checks) took 8.9 s of a 19 s run on the H100 machine and about a second
+and a half on a 2-core CPU, all of it before the first training step, none of it
+needed until the run is created. `start` begins that work as soon as the tracking
+URI and experiment are known, and `BackgroundTracker` is a drop-in for
+`store.Tracker` whose first call waits for it to finish, so it overlaps the torch
+import, data loading and model building.
+
+Thread or process: an import is Python bytecode run under the GIL, so a thread
+importing mlflow mostly takes turns with the main thread importing torch. A helper
+process (`python -m mpsrun.track.helper`) runs on another core and the main
+process never imports mlflow at all; every Tracker call becomes a round trip over
+a pipe (about a tenth of a millisecond, outside the step loop: per epoch at most).
+`benchmarks/wall.py --helpers` measures the three side by side.
+
+Mode: `MPSRUN_MLFLOW_HELPER=process|thread|inline|auto` (default auto: thread, because
+the run's record hooks in train/record.py use MLflow's client in the training process
+itself; in process mode they get a client of their own there, `c`). The mode
+is tagged on the run (`mpsrun.mlflow_helper`) and the time the main thread waited for
+set-up is logged (`mlflow_setup_wait_s`). A set-up failure is raised, with its
+original message, from the first call that needs the run: `TrackingSetupError`.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from mpsrun.track import store
+
+ENV_MODE = "MPSRUN_MLFLOW_HELPER"
+MODES = ("auto", "process", "thread", "inline")
+
+
+class TrackingSetupError(Exception):
+    """MLflow could not be set up (bad URI, unreachable server, broken store): bad input, exit 2."""
+
+
+def choose_mode(requested: str | None = None) -> tuple[str, str]:
+    """(mode, why) from the argument, else $MPSRUN_MLFLOW_HELPER, else auto."""
+    raw = (requested or os.environ.get(ENV_MODE) or "auto").strip().lower()
+    if raw not in MODES:
+        raise TrackingSetupError(f"{ENV_MODE}={raw!r} is not one of {', '.join(MODES)}")
+    if raw == "process" and not requested:
+        # The training process itself reads tracker attributes a pipe cannot carry (the store's
+        # spool `outbox`, MLflow's client for the record hooks), so the helper cannot serve a
+        # run started by `mpsrun run` yet: said in the tag, never silent. `start(..., mode="process")`
+        # still runs it, for the tests and for the day those move into the helper.
+        return "thread", f"{ENV_MODE}=process is not available yet (the run uses MLflow's client in this process); thread instead"
+    if raw != "auto":
+        return raw, f"{ENV_MODE}={raw}" if not requested else "requested"
+    # The run's record hooks (train/record.py: dataset inputs, system metrics, figures, the
+    # logged model) use MLflow's client in this process right after the run starts, so mlflow
+    # is imported here anyway: a thread that warms it (import, store checks) while torch
+    # imports is what pays. A helper process pays only where those hooks move to it.
+    return "thread", "auto"
+
+
+def start(uri: str, experiment: str, artifact_root: str | None = None, mode: str | None = None) -> "BackgroundTracker":
+    """Begin MLflow set-up now (import, client, store checks, experiment look-up); returns at once."""
+    return BackgroundTracker(uri, experiment, artifact_root, mode)
+
+
+class BackgroundTracker:
+    """A `store.Tracker` whose set-up runs in the background; same methods, same records.
+
+    Before `start` nothing is written: the experiment is only looked up, so bad input
+    found while preparing (exit 2) leaves no run and no experiment behind (`close()`).
+    """
+
+    def __init__(self, uri: str, experiment: str, artifact_root: str | None = None, mode: str | None = None) -> None:
+        self.uri, self.experiment, self.artifact_root = uri, experiment, artifact_root
+        self.mode, self.mode_reason = choose_mode(mode)
+        self.setup_wait_s = 0.0  # time the caller waited for set-up at `start`
+        self._t0 = time.perf_counter()
+        self._tracker: store.Tracker | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._remote: _Remote | None = None
+        self._handoff_s = 0.0
+        self._final: dict[str, Any] | None = None
+        self._client: Any = None
+        if self.mode == "thread":
+            self._thread = threading.Thread(target=self._warm, name="mpsrun-mlflow-setup", daemon=True)
+            self._thread.start()
+        elif self.mode == "process":
+            self._remote = _Remote(uri, experiment, artifact_root)
+
+    # -- set-up
+    def _warm(self) -> None:
+        """Import mlflow and open the store (cached by MLflow per URI), read-only."""
+        try:
+            store.client(self.uri).get_experiment_by_name(self.experiment)
+        except BaseException as e:  # reported from `start`, never swallowed
+            self._error = e
+
+    def _ready(self) -> store.Tracker | None:
+        """Wait for set-up; the in-process Tracker (thread/inline) or None (process)."""
+        if self._tracker is not None or self._remote is not None:
+            return self._tracker
+        t = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+        try:
+            if self._error is not None:
+                raise self._error
+            self._tracker = store.Tracker(self.uri, self.experiment, self.artifact_root)
+        except BaseException as e:
+            raise TrackingSetupError(f"MLflow set-up failed for {self.uri}: {type(e).__name__}: {e}") from e
+        finally:
+            self.setup_wait_s += time.perf_counter() - t
+        return self._tracker
+
+    # -- the Tracker surface the runner uses; anything else is forwarded by __getattr__
+    def start(self, run_name: str | None, tags: dict[str, str], parent_run_id: str | None = None) -> store.RunInfo:
+        tags = {**tags, "mpsrun.mlflow_helper": f"{self.mode} ({self.mode_reason})"}
+        tracker = self._ready()
+        if tracker is not None:
+            return tracker.start(run_name, tags, parent_run_id)
+        assert self._remote is not None
+        t = time.perf_counter()
+        try:
+            info = self._remote.call("start", run_name, tags, parent_run_id)
+        except _RemoteError as e:
+            raise TrackingSetupError(f"MLflow set-up failed for {self.uri}: {e}") from None
+        finally:
+            self.setup_wait_s += time.perf_counter() - t
+        return info
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if self._remote is None:
+            return self._need().log_metrics(metrics, step)
+        t = time.perf_counter()
+        self._remote.call("log_metrics", {k: float(v) for k, v in metrics.items()}, step)
+        self._handoff_s += time.perf_counter() - t
+
+    @property
+    def handoff_time_s(self) -> float:
+        """Time the training thread spent handing metrics over (the pipe round trip, in process mode)."""
+        if self._remote is None:
+            return self._need().handoff_time_s
+        return self._handoff_s
+
+    def log_state_dict(self, state: dict[str, Any], name: str = "model.pt") -> None:
+        if self._remote is None:
+            return self._need().log_state_dict(state, name)
+        import tempfile
+
+        import torch  # tensors are saved here: the helper never imports torch
+
+        with tempfile.TemporaryDirectory() as d:
+            p = Path(d) / name
+            torch.save({k: v.detach().cpu() for k, v in state.items()}, p)
+            self._remote.call("log_file", str(p), None)
+
+    def finish(self, status: str, error: BaseException | None = None) -> None:
+        if self._remote is None:
+            self._need().finish(status, error)
+            return
+        if error is None:
+            self._remote.call("finish_text", status)
+        else:
+            import traceback
+
+            tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+            self._remote.call("finish_text", status, f"{type(error).__name__}: {error}", tb)
+        self._final = self._remote.values()  # log_time_s and friends stay readable after the helper ends
+        # finish_text has answered, so the run is written and marked; the helper's own exit
+        # (tearing down mlflow and SQLAlchemy) need not hold up this process's.
+        self.close(wait=False)
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the helper (it writes what it holds, then exits); safe to call twice.
+
+        `wait=False` when abandoning before `start` (bad input): nothing is held, and
+        the helper finishes its read-only set-up and exits on its own.
+        """
+        if self._remote is not None:
+            self._remote.close(wait)
+
+    def _need(self) -> store.Tracker:
+        tracker = self._ready()
+        assert tracker is not None
+        return tracker
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if self._remote is None:
+            return getattr(self._need(), name)
+        if name == "c":  # MLflow's client, for code that calls it directly (train/record.py): one of this process's own
+            if self._client is None:
+                self._client = store.client(self.uri)
+            return self._client
+        if self._final is not None and name in self._final:
+            return self._final[name]
+        return self._remote.attribute(name)
+
+
+# ----------------------------------------------------------------------------- the helper process's pipe
+
+
+class _RemoteError(Exception):
+    """An exception raised in the helper, carried back as its type name, message and traceback.
+
+    Not unpickled as its own class: that would import mlflow here, which is what the helper avoids.
+    """
+
+    def __init__(self, type_name: str, message: str, tb: str) -> None:
+        super().__init__(f"{type_name}: {message}")
+        self.type_name, self.remote_traceback = type_name, tb
+
+
+def send(stream: BinaryIO, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(struct.pack(">Q", len(data)) + data)
+    stream.flush()
+
+
+def receive(stream: BinaryIO) -> Any:
+    head = stream.read(8)
+    if len(head) < 8:
+        raise EOFError("the MLflow helper process closed its pipe")
+    (n,) = struct.unpack(">Q", head)
+    data = stream.read(n)
+    if len(data) < n:
+        raise EOFError("the MLflow helper process closed its pipe mid-message")
+    return pickle.loads(data)
+
+
+class _Remote:
+    """The helper process and its request/reply pipe; one call at a time."""
+
+    def __init__(self, uri: str, experiment: str, artifact_root: str | None) -> None:
+        args = [sys.executable, "-m", "mpsrun.track.helper", uri, experiment, artifact_root or ""]
+        # Own session: a Ctrl-C at the terminal reaches the main process only, which then
+        # marks the run KILLED through this helper. stderr is shared (MLflow's own notes).
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+        self._lock = threading.Lock()
+        self._kinds: dict[str, bool] = {}
+
+    def call(self, method: str, *args: Any) -> Any:
+        return self._request(("call", method, args))
+
+    def attribute(self, name: str) -> Any:
+        if self._kinds.get(name):
+            return lambda *a: self.call(name, *a)
+        is_method, value = self._request(("get", name))
+        if is_method:
+            self._kinds[name] = True
+            return lambda *a: self.call(name, *a)
+        return value
+
+    def values(self) -> dict[str, Any]:
+        """The helper's Tracker's plain attributes (numbers, strings), read once before it ends."""
+        return self._request(("vars", "", ()))
+
+    def _request(self, msg: tuple) -> Any:
+        with self._lock:
+            if self.proc.poll() is not None and self.proc.stdin is not None and self.proc.stdin.closed:
+                raise _RemoteError("RuntimeError", "the MLflow helper process has been closed", "")
+            try:
+                send(self.proc.stdin, msg)  # type: ignore[arg-type]
+                ok, value = receive(self.proc.stdout)  # type: ignore[arg-type]
+            except (EOFError, BrokenPipeError, OSError) as e:
+                code = self.proc.wait()
+                raise _RemoteError("RuntimeError", f"the MLflow helper process ended (exit {code}): {e}", "") from None
+        if not ok:
+            raise _RemoteError(*value)
+        return value
+
+    def close(self, wait: bool = True) -> None:
+        with self._lock:
+            if self.proc.stdin is not None and not self.proc.stdin.closed:
+                try:
+                    self.proc.stdin.close()  # EOF: the helper flushes and exits
+                except OSError:
+                    pass
+            if not wait:
+                return
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()

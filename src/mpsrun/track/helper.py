@@ -1,0 +1,75 @@
+"""The MLflow helper process: `python -m mpsrun.track.helper URI EXPERIMENT ARTIFACT_ROOT`.
+
+Started by `track.background` at the beginning of `mpsrun run`; imports mlflow and
+opens the store at once, on its own core, while the main process imports torch and
+builds data and model. Then it serves `store.Tracker` calls sent over stdin
+(length-prefixed pickles) and answers each on the original stdout. Its fd 1 is
+pointed at stderr so that nothing MLflow prints can corrupt the pipe.
+
+It ignores SIGINT (the main process marks the run KILLED through it) and ends on
+end-of-file: after writing the metrics it still holds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+from typing import Any
+
+from mpsrun.track import store
+from mpsrun.track.background import receive, send
+
+
+def _error(e: BaseException) -> tuple[bool, tuple[str, str, str]]:
+    return False, (type(e).__name__, str(e), "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+
+
+def main(argv: list[str]) -> int:
+    uri, experiment, artifact_root = argv[0], argv[1], argv[2] or None
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    reply_stream = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # stray prints go to stderr, never into the reply pipe
+    sys.stdout = sys.stderr
+    requests = sys.stdin.buffer
+
+    setup_error: BaseException | None = None
+    try:  # read-only warm-up: import, client, store checks; the experiment is created at "start"
+        store.client(uri).get_experiment_by_name(experiment)
+    except BaseException as e:
+        setup_error = e
+    tracker: store.Tracker | None = None
+
+    while True:
+        try:
+            msg = receive(requests)
+        except EOFError:
+            break
+        kind, name, args = msg if len(msg) == 3 else (*msg, ())
+        try:
+            if tracker is None:
+                if setup_error is not None:
+                    raise setup_error
+                tracker = store.Tracker(uri, experiment, artifact_root)
+            if kind == "vars":
+                plain = (int, float, str, bool, type(None))
+                reply: Any = (True, {k: v for k, v in vars(tracker).items() if not k.startswith("_") and isinstance(v, plain)})
+            elif kind == "get":
+                value: Any = getattr(tracker, name)
+                reply = (True, (True, None)) if callable(value) else (True, (False, value))
+            else:
+                reply = (True, getattr(tracker, name)(*args))
+        except BaseException as e:
+            reply = _error(e)
+        try:
+            send(reply_stream, reply)
+        except Exception as e:  # a reply that cannot be pickled: say so instead
+            send(reply_stream, _error(TypeError(f"{name} returned an unpicklable {type(reply[1]).__name__}: {e}")))
+    if tracker is not None:
+        tracker.flush()  # the main process ended without finish(): keep what was logged
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,53 @@
+"""The training loss: a torch.nn loss by name, or a plugin's, defaulting to the task's usual one.
+
+Every loss here returns the *mean* over the batch; the step multiplies it by the
+sample count where it needs sums (epoch losses, exact gradient accumulation), so a
+plugin loss only has to follow torch's default `reduction="mean"`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from mpsrun.plugins import components
+from mpsrun.plugins import registry
+
+DEFAULT = {"classification": "cross_entropy", "regression": "mse"}
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class TaskLoss(nn.Module):
+    """Wraps a loss so regression outputs (N, 1) meet targets (N,) without silent broadcasting."""
+
+    def __init__(self, inner: Callable[..., torch.Tensor], task: str, name: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.task = task
+        self.name = name
+
+    def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = out.float()
+        if self.task == "regression":
+            y = y.float()
+            if out.numel() == y.numel():
+                out = out.reshape(y.shape)  # (N, 1) vs (N,): mse would broadcast to (N, N)
+        return self.inner(out, y)
+
+
+def build_loss(name: str | None, kwargs: dict[str, Any], task: str, device: torch.device) -> TaskLoss:
+    """The recipe's `loss:` (checked again here for plugin-produced recipes) or the task's default."""
+    name = name or DEFAULT[task]
+    factory = components.loss_factory(name)
+    checked, errs = registry.validate_kwargs(factory, kwargs)
+    if errs:
+        raise registry.PluginError("; ".join(f"loss.{k}: {m}" for k, m in errs))
+    inner = factory(**checked)
+    if isinstance(inner, nn.Module):
+        inner = inner.to(device)
+    if not callable(inner):
+        raise registry.PluginError(f"loss '{name}' built {type(inner).__name__}, which is not callable")
+    return TaskLoss(inner, task, name)

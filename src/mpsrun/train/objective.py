@@ -1,0 +1,71 @@
+"""What one training step optimises and measures: loss, metrics, gradient clipping, accumulation.
+
+The step (train/steps.py) asks this object for the loss, hands it the gradients
+before the optimizer steps, and feeds it validation outputs; all of it stays on
+the device, so it adds no host synchronisation and is capturable in a CUDA graph.
+
+Exact accumulation. With `accumulate: N` the optimizer steps once per N
+micro-batches and each micro-batch's mean loss is weighted by its share of the
+group's samples, so the summed gradient is the gradient of the group's mean loss,
+exactly what one batch of the group's size gives; a short last group (an epoch
+that does not divide evenly) is weighted by its own sample count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from mpsrun.train.losses import TaskLoss
+from mpsrun.train.metrics import MetricSet
+
+
+@dataclass
+class Objective:
+    task: str
+    loss: TaskLoss
+    metrics: MetricSet
+    max_norm: float | None = None  # grad_clip.max_norm
+    norm_type: float = 2.0
+    accumulate: int = 1
+    grad_norm: torch.Tensor | None = None  # the epoch's largest pre-clip norm, on the device
+    after_step: list[Callable[[], None]] = field(default_factory=list)  # per optimizer step, eager only (a per-step LR schedule)
+
+    @classmethod
+    def default(cls, device: torch.device) -> "Objective":
+        """Cross-entropy classification: what the engine did before recipes could say otherwise."""
+        return cls("classification", TaskLoss(nn.CrossEntropyLoss(), "classification", "cross_entropy"), MetricSet("classification", device))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        extra = (self.grad_norm,) if self.grad_norm is not None else ()
+        return (*self.metrics.tensors(), *extra)
+
+    def clip(self, model: nn.Module) -> None:
+        """Clip the global gradient norm in place (foreach kernels where the device has them); keep the max."""
+        if self.max_norm is None:
+            return
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_norm, norm_type=self.norm_type)
+        assert self.grad_norm is not None
+        torch.maximum(self.grad_norm, total.detach().float(), out=self.grad_norm)
+
+    def epoch_metrics(self) -> dict[str, float]:
+        """The training-side figures of an epoch (read once, at its end) and reset for the next."""
+        if self.grad_norm is None:
+            return {}
+        value = self.grad_norm.item()
+        self.grad_norm.zero_()
+        return {"grad_norm": value}
+
+
+def micro_batches(n: int, batch_size: int, accumulate: int) -> Iterator[tuple[float, bool, bool]]:
+    """(loss weight, first of its group, last of its group) for each batch of an epoch of n samples."""
+    batches = -(-n // batch_size)
+    for start in range(0, batches, accumulate):
+        group = range(start, min(start + accumulate, batches))
+        sizes = [min(batch_size, n - i * batch_size) for i in group]
+        total = sum(sizes)
+        for j, size in enumerate(sizes):
+            yield size / total, j == 0, j == len(sizes) - 1

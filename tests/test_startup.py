@@ -1,0 +1,351 @@
+"""Start-up: what each command imports, the numpy readers, the source-read signatures, and
+MLflow set-up in the background (helper process, thread) keeping every record of a run.
+
+No timings here (those are benchmarks/wall.py's); each check below fails if the
+behaviour it guards regresses: an import creeping back, a reader or split drifting
+from the library it replaces, a record lost on the way through the helper.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mpsrun.plugins import registry, signatures
+from mpsrun.plugins.builtin import readers
+from mpsrun.testing.idx import write_idx_dataset
+from tests.conftest import RECIPES, run_subprocess
+
+HEAVY = ("torch", "mlflow", "torchvision", "sklearn", "pandas", "matplotlib")
+
+# Runs the real CLI in a fresh interpreter and reports which heavy modules it imported.
+PROBE = """
+import json, sys
+sys.argv = ["mpsrun", *json.loads(sys.argv[1])]
+from mpsrun.cli import main
+code = 0
+try:
+    main()
+except SystemExit as e:
+    code = e.code or 0
+sys.stdout.flush()
+print("\\nPROBE " + json.dumps({"code": code, "heavy": [m for m in %r if m in sys.modules]}), file=sys.stderr)
+""" % (HEAVY,)
+
+
+def probe(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> tuple[dict, str]:
+    e = {**os.environ, **(env or {})}
+    e.pop("MLFLOW_TRACKING_URI", None)
+    p = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args)], cwd=cwd, capture_output=True, text=True, env=e, timeout=600)
+    line = [ln for ln in p.stderr.splitlines() if ln.startswith("PROBE ")]
+    assert line, p.stdout + p.stderr
+    return json.loads(line[-1][6:]), p.stdout + p.stderr
+
+
+# ----------------------------------------------------------------------------- imports
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--help"], ["schema"], ["plugins"], ["plugins", "--json"], ["validate", str(RECIPES / "digits_mlp.yaml")], ["validate", str(RECIPES / "fashion_mlp_mps.yaml"), "optimizer.name=adamw", "optimizer.betas=[0.9,0.99]"]],
+    ids=["help", "schema", "plugins", "plugins-json", "validate-digits", "validate-fashion-adamw"],
+)
+def test_light_commands_import_no_torch_mlflow_sklearn(args: list[str], tmp_path: Path) -> None:
+    out, text = probe(args, tmp_path)
+    assert out["code"] == 0, text
+    # `plugins` lists the built-in callback plugins too, which are classes: their stand-ins are not
+    # read from source yet, so listing imports torch (not mlflow, torchvision or scikit-learn).
+    allowed = {"torch"} if args[0] == "plugins" else set()
+    assert set(out["heavy"]) <= allowed, text
+
+
+def test_validate_still_catches_bad_optimizer_and_plugin_arguments_without_torch(tmp_path: Path) -> None:
+    out, text = probe(["validate", str(RECIPES / "digits_mlp.yaml"), "optimizer.lr=fast", "optimizer.betas=[1]", "model.hiden=[3]"], tmp_path)
+    assert out["code"] == 2 and out["heavy"] == [], text
+    assert "optimizer.lr" in text and "optimizer.betas" in text
+    assert "model.hiden" in text and "did you mean 'hidden'" in text
+    # an optimizer name not found in torch's source is left to torch itself to reject
+    out, text = probe(["validate", str(RECIPES / "digits_mlp.yaml"), "optimizer.name=adamm"], tmp_path)
+    assert out["code"] == 2 and "unknown optimizer 'adamm' (did you mean 'adam'" in text, text
+
+
+def test_lazy_public_names_still_import() -> None:
+    code = "import sys, mpsrun; assert 'torch' not in sys.modules; from mpsrun import DataSplits, ImageTransform; print(DataSplits.__module__, ImageTransform.__name__)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["mpsrun.plugins.contract", "ImageTransform"]
+
+
+# ----------------------------------------------------------------------------- readers
+
+
+@pytest.fixture(scope="module")
+def idx_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("idx")
+    write_idx_dataset(root, "FashionMNIST", n_train=300, n_test=70, seed=3)
+    write_idx_dataset(root, "MNIST", n_train=200, n_test=50, seed=4)
+    return root
+
+
+@pytest.mark.parametrize("name", ["FashionMNIST", "MNIST"])
+@pytest.mark.parametrize("train", [True, False])
+def test_numpy_idx_reader_equals_torchvision(idx_root: Path, name: str, train: bool) -> None:
+    from torchvision import datasets
+
+    ds = getattr(datasets, name)(str(idx_root), train=train, download=False)
+    raw = idx_root / name / "raw"
+    prefix = "train" if train else "t10k"
+    for stem, expected in ((f"{prefix}-images-idx3-ubyte", ds.data), (f"{prefix}-labels-idx1-ubyte", ds.targets)):
+        for path in (raw / stem, raw / f"{stem}.gz"):  # the extracted file and the download's .gz
+            got = readers.read_idx(path)
+            assert got.shape == tuple(expected.shape)
+            assert torch.equal(torch.from_numpy(got).to(expected.dtype), expected)
+            assert got.dtype == np.uint8
+
+
+def test_fashion_plugin_gives_torchvision_tensors_from_gz_only_files(tmp_path: Path, idx_root: Path) -> None:
+    from torchvision import datasets
+
+    from mpsrun.plugins.builtin.datasets import fashion_mnist
+
+    raw = tmp_path / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    for f in (idx_root / "FashionMNIST" / "raw").glob("*.gz"):
+        (raw / f.name).write_bytes(f.read_bytes())  # only the .gz: torchvision itself would refuse these
+    splits = fashion_mnist(root=str(tmp_path), download=False, val_on_test=True)  # train: every training image
+    ref = datasets.FashionMNIST(str(idx_root), train=True, download=False)
+    x, y = splits.train.tensors  # type: ignore[attr-defined]
+    assert torch.equal(x, ref.data.unsqueeze(1)) and torch.equal(y, ref.targets)
+    assert x.dtype == torch.uint8 and y.dtype == torch.int64
+
+
+def test_read_idx_rejects_a_bad_file(tmp_path: Path) -> None:
+    p = tmp_path / "x-idx3-ubyte"
+    p.write_bytes(b"\x00\x00\x08\x03\x00\x00\x00\x02\x00\x00\x00\x02\x00\x00\x00\x02abc")  # 3 bytes of 8
+    with pytest.raises(readers.IdxFormatError, match="header says shape"):
+        readers.read_idx(p)
+    p.write_bytes(b"hello")
+    with pytest.raises(readers.IdxFormatError, match="not an IDX file"):
+        readers.read_idx(p)
+
+
+def test_digits_reader_and_split_equal_scikit_learn() -> None:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    images, target = readers.read_digits()
+    assert images.dtype == bunch.images.dtype and target.dtype == bunch.target.dtype
+    assert np.array_equal(images, bunch.images) and np.array_equal(target, bunch.target)
+    idx = list(range(len(target)))
+    for seed in (0, 1, 42, 2**31 - 1):
+        for frac in (0.2, 0.1, 0.37):
+            tr, va = train_test_split(idx, test_size=frac, random_state=seed, stratify=bunch.target)
+            a, b = readers.stratified_split(target, frac, seed)
+            assert list(a) == list(tr) and list(b) == list(va), (seed, frac)
+
+
+def test_digits_plugin_unchanged_from_the_scikit_learn_path() -> None:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    from mpsrun.plugins.builtin.datasets import digits
+
+    bunch = load_digits()
+    x = torch.tensor(bunch.images, dtype=torch.uint8).unsqueeze(1)
+    y = torch.tensor(bunch.target, dtype=torch.long)
+    tr, va = train_test_split(list(range(len(y))), test_size=0.25, random_state=5, stratify=bunch.target)
+    s = digits(val_fraction=0.25, seed=5)
+    for ds, idx in ((s.train, tr), (s.val, va)):
+        got_x, got_y = ds.tensors  # type: ignore[attr-defined]
+        assert torch.equal(got_x, x[torch.tensor(idx)]) and torch.equal(got_y, y[torch.tensor(idx)])
+
+
+# ----------------------------------------------------------------------------- source-read signatures
+
+PROBES = [0, 1, 0.5, -1, True, None, "x", "1e-3", [1, 2], [0.9, 0.99], [256, 128], {"a": 1}]
+
+
+def _verdicts(fn: typing.Callable, skip: tuple[str, ...]) -> list:
+    out = []
+    for p in inspect.signature(fn).parameters:
+        for v in PROBES:
+            checked, errs = registry.validate_kwargs(fn, {p: v}, skip)
+            out.append((p, repr(v), sorted(k for k, _ in errs), repr(checked.get(p)) if not errs else None))
+    return out
+
+
+def _builtin_refs() -> list[registry.PluginRef]:
+    return [r for k in ("model", "dataset") for r in registry.discover(k) if r.distribution == "mpsrun"]
+
+
+@pytest.mark.parametrize("ref", _builtin_refs(), ids=lambda r: f"{r.kind}-{r.name}")
+def test_builtin_stand_in_matches_the_real_plugin(ref: registry.PluginRef) -> None:
+    module = ref.value.partition(":")[0]
+    saved = sys.modules.pop(module, None)  # read from source even though the test imported it
+    try:
+        listing = signatures.builtin_plugin(ref.value, ref.distribution, listing=True)
+        checking = signatures.builtin_plugin(ref.value, ref.distribution)
+    finally:
+        if saved is not None:
+            sys.modules[module] = saved
+    real = ref.load()
+    assert listing is not None, "every built-in can be listed without importing it"
+    params_only = inspect.signature(real).replace(return_annotation=inspect.Signature.empty)  # never read by the checks
+    assert str(inspect.signature(listing)) == str(params_only)
+    assert inspect.getdoc(listing) == inspect.getdoc(real)
+    if ref.name == "torchvision":
+        assert checking is None  # its `arch` hint needs torchvision to check: imported, not guessed
+        return
+    assert checking is not None
+    assert typing.get_type_hints(checking) == {k: v for k, v in typing.get_type_hints(real).items() if k != "return"}
+    assert _verdicts(checking, registry.FILLED[ref.kind]) == _verdicts(real, registry.FILLED[ref.kind])
+
+
+def _shape(fn: typing.Callable) -> list[tuple]:
+    """Each parameter's name, kind, default and hint (the stand-in's Tensor spelled as torch's; `params` unread)."""
+    rows = []
+    for p in inspect.signature(fn).parameters.values():
+        ann = "-" if p.name == "params" else inspect.formatannotation(p.annotation).replace("mpsrun.plugins.signatures.Tensor", "torch.Tensor")
+        rows.append((p.name, p.kind, p.default, ann))
+    return rows
+
+
+def test_optimizer_stand_ins_match_torch_optim() -> None:
+    signatures._optimizers.cache_clear()
+    static = signatures._optimizers()
+    assert static is not None
+    real = registry.optimizers()
+    assert sorted(static) == sorted(real)
+    for name, cls in real.items():
+        fn = static[name]
+        assert _shape(fn) == _shape(cls), name
+        assert _verdicts(fn, ("params",)) == _verdicts(cls, ("params",)), name
+
+
+def test_third_party_plugins_are_always_imported() -> None:
+    assert signatures.builtin_plugin("mpsrun.plugins.builtin.models:mlp", "someone-else") is None
+    assert signatures.builtin_plugin("other_pkg.models:mlp", "mpsrun") is None
+
+
+# ----------------------------------------------------------------------------- MLflow in the background
+
+RECIPE = """\
+device: cpu
+epochs: 2
+batch_size: 64
+seed: 0
+dataset: {name: digits}
+model: {name: mlp, hidden: [16]}
+optimizer: {name: sgd, lr: 0.05}
+tracking: {experiment: startup}
+"""
+# Values that differ between any two runs: argv, run name, the new tag, process and clock facts, ids,
+# and the description (it quotes the epoch time).
+VARIES = {"mpsrun.command", "mlflow.runName", "mpsrun.mlflow_helper", "mpsrun.pid", "mpsrun.pid_start", "mpsrun.heartbeat",
+          "mpsrun.model_uri", "mpsrun.model_id", "mlflow.note.content", "mlflow.loggedModels"}
+ADDED_METRICS = {"mpsrun/mlflow_setup_wait_s"}  # bookkeeping metrics carry the mpsrun/ prefix
+ADDED_TAGS = {"mpsrun.mlflow_helper"}
+
+
+def _record(work, run) -> dict:  # type: ignore[no-untyped-def]
+    c = work.client()
+    metrics = {k: sorted(m.step for m in c.get_metric_history(run.info.run_id, k)) for k in run.data.metrics}
+    return {
+        "status": run.info.status,
+        "params": run.data.params,
+        "metrics": metrics,
+        "tags": {k: v for k, v in run.data.tags.items()},
+        "artifacts": sorted(a.path for a in c.list_artifacts(run.info.run_id)),
+    }
+
+
+@pytest.fixture
+def baseline(work):  # type: ignore[no-untyped-def]
+    """The run as the in-process Tracker records it (the path every run took before this change)."""
+    from mpsrun.plugins import resolve
+    from mpsrun.train import runner
+
+    p = work.write("s.yaml", RECIPE)
+    runner.run(resolve(p))
+    (run,) = work.runs("startup")
+    return p, _record(work, run)
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_background_tracker_keeps_every_record(work, baseline, mode: str) -> None:  # type: ignore[no-untyped-def]
+    recipe, before = baseline
+    if mode == "process":  # the real console path in a fresh interpreter
+        out, text = probe(["run", str(recipe), "-q"], work.path, env={"MPSRUN_MLFLOW_HELPER": mode})
+        assert out["code"] == 0, text
+        assert "sklearn" not in out["heavy"] and "torchvision" not in out["heavy"], text
+    else:
+        os.environ["MPSRUN_MLFLOW_HELPER"] = mode
+        try:
+            r = work.cli("run", recipe, "-q")
+        finally:
+            del os.environ["MPSRUN_MLFLOW_HELPER"]
+        assert r.exit_code == 0, r.output
+    runs = work.runs("startup")
+    assert len(runs) == 2
+    after = _record(work, runs[1])
+    assert after["status"] == before["status"] == "FINISHED"
+    assert after["params"] == before["params"]
+    assert after["artifacts"] == before["artifacts"] and "recipe.yaml" in after["artifacts"]
+    assert set(after["metrics"]) - set(before["metrics"]) == ADDED_METRICS
+    assert set(before["metrics"]) <= set(after["metrics"])
+    sampled = lambda k: k.startswith("system/")  # noqa: E731  (sampled every few seconds: their count follows the run's length)
+    assert {k: v for k, v in after["metrics"].items() if k in before["metrics"] and not sampled(k)} == {k: v for k, v in before["metrics"].items() if not sampled(k)}
+    assert set(after["tags"]) - set(before["tags"]) == ADDED_TAGS and set(before["tags"]) <= set(after["tags"])
+    differ = sorted(k for k in before["tags"] if k not in VARIES and after["tags"][k] != before["tags"][k])
+    assert differ == [], [(k, before["tags"][k], after["tags"][k]) for k in differ]
+    # process mode falls back to the thread, and says so in the tag (see background.choose_mode)
+    assert after["tags"]["mpsrun.mlflow_helper"].startswith("thread")
+    if mode == "process":
+        assert "MPSRUN_MLFLOW_HELPER=process is not available yet" in after["tags"]["mpsrun.mlflow_helper"]
+    # the same training: the data, split and weights did not change with the readers
+    assert after["metrics"]["val_accuracy"] == before["metrics"]["val_accuracy"]
+    c = work.client()
+    acc = [c.get_metric_history(r.info.run_id, "val_accuracy")[-1].value for r in runs]
+    assert acc[0] == acc[1]
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_mlflow_setup_failure_is_reported_not_swallowed(work, mode: str) -> None:  # type: ignore[no-untyped-def]
+    recipe = work.write("s.yaml", RECIPE)
+    r = run_subprocess(sys.executable, "-m", "mpsrun", "run", str(recipe), "--tracking-uri", "bogus-scheme://nowhere", cwd=work.path, env={"MPSRUN_MLFLOW_HELPER": mode})
+    assert r.exit_code == 2, r.output
+    assert "MLflow set-up failed for bogus-scheme://nowhere" in r.stderr
+    assert "bogus-scheme" in r.stderr.split("MLflow set-up failed", 1)[1]
+    assert "Traceback" not in r.output
+
+
+def test_unknown_helper_mode_is_bad_input(work) -> None:  # type: ignore[no-untyped-def]
+    recipe = work.write("s.yaml", RECIPE)
+    os.environ["MPSRUN_MLFLOW_HELPER"] = "fork"
+    try:
+        r = work.cli("run", recipe, "-q")
+    finally:
+        del os.environ["MPSRUN_MLFLOW_HELPER"]
+    assert r.exit_code == 2 and "MPSRUN_MLFLOW_HELPER='fork' is not one of" in r.stderr
+    assert work.runs("startup") == []
+
+
+def test_bad_input_while_preparing_leaves_no_run_in_process_mode(work) -> None:  # type: ignore[no-untyped-def]
+    recipe = work.write("s.yaml", RECIPE.replace("dataset: {name: digits}", "dataset: {name: fashion_mnist, root: nowhere, download: false}"))
+    os.environ["MPSRUN_MLFLOW_HELPER"] = "process"
+    try:
+        r = work.cli("run", recipe, "-q")
+    finally:
+        del os.environ["MPSRUN_MLFLOW_HELPER"]
+    assert r.exit_code == 2 and "FashionMNIST files not found" in r.stderr
+    assert work.runs("startup") == []
