@@ -1,0 +1,228 @@
+"""`mpsrun ui` looked at as a person would: a real headless Chromium (Debian's package,
+driven by Playwright) on the run page of a finished digits run.
+
+What the page must show is decided from the run itself (its parameters, its metric
+history, its logged model, dataset inputs and figure artifacts), so the test follows the
+run rather than a list of strings. Screenshots of each view land in the test's tmp folder
+(kept by pytest under its basetemp) for a person to look at.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.servers import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "digits_mlp.yaml"
+FIGURE_SUFFIXES = (".png", ".jpg", ".jpeg", ".svg", ".html")
+PAGE_TIMEOUT_MS = 60_000
+
+
+def chromium_path() -> str | None:
+    """Debian's Chromium (apt-get install chromium); Playwright's own download cannot work offline."""
+    for c in (os.environ.get("MPSRUN_CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium"), shutil.which("chromium-browser")):
+        if c and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def _why_no_browser() -> str | None:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright is not installed (pip install -e '.[dev]')"
+    if chromium_path() is None:
+        return "no Chromium at /usr/bin/chromium or on PATH (apt-get install chromium; .ci/run does it)"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_why_no_browser() is not None, reason=f"no headless browser: {_why_no_browser()}")
+
+
+@dataclass
+class UiRun:
+    url: str
+    run_id: str
+    experiment_id: str
+    uri: str
+
+    def client(self) -> Any:
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient(tracking_uri=self.uri)
+
+    @property
+    def page_url(self) -> str:
+        return f"{self.url}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
+
+    def artifacts(self) -> list[str]:
+        c, out, todo = self.client(), [], [None]
+        while todo:
+            for f in c.list_artifacts(self.run_id, todo.pop()):
+                (todo.append(f.path) if f.is_dir else out.append(f.path))
+        return sorted(out)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def ui_run(tmp_path_factory: pytest.TempPathFactory, template_db: Path):
+    """A finished digits run in a SQLite store, browsed by `mpsrun ui` on a free port.
+
+    The UI server and the training start together (the store is a copy of the migrated
+    template, so neither creates the schema under the other).
+    """
+    work = tmp_path_factory.mktemp("ui")
+    (work / "mlruns").mkdir()
+    shutil.copy(template_db, work / "mlruns" / "mlflow.db")
+    uri = f"sqlite:///{work / 'mlruns' / 'mlflow.db'}"
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    port = free_port()
+    with open(work / "ui.log", "w") as log:
+        ui = subprocess.Popen(
+            [sys.executable, "-m", "mpsrun", "ui", "--port", str(port), "--tracking-uri", uri],
+            cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "mpsrun", "run", str(RECIPE), "epochs=3", "device=cpu", "-q"],
+            cwd=work, env=env, capture_output=True, text=True, timeout=300,
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        run_id = re.search(r"\brun ([0-9a-f]{32})\b", r.stdout).group(1)  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert ui.poll() is None, f"mpsrun ui exited {ui.returncode}:\n{(work / 'ui.log').read_text()[-3000:]}"
+            try:
+                if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"mpsrun ui not up in 120 s:\n{(work / 'ui.log').read_text()[-3000:]}"
+            time.sleep(0.5)
+        from mlflow.tracking import MlflowClient
+
+        exp_id = MlflowClient(tracking_uri=uri).get_run(run_id).info.experiment_id
+        yield UiRun(url, run_id, exp_id, uri)
+    finally:
+        _stop(ui)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=chromium_path(), args=["--headless", "--no-sandbox"])
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def run_page(browser, ui_run: UiRun):
+    """The run's page, loaded once (a load is seconds of the server's time); tests move between its tabs."""
+    pg = browser.new_page(viewport={"width": 1400, "height": 1000})
+    pg.set_default_timeout(PAGE_TIMEOUT_MS)
+    pg.goto(ui_run.page_url)
+    yield pg
+    pg.close()
+
+
+@pytest.fixture
+def page(run_page, ui_run: UiRun, tmp_path: Path):
+    """The run page on its Overview tab; a screenshot of wherever the test left it, whatever happened."""
+    if run_page.url != ui_run.page_url:
+        run_page.goto(ui_run.page_url)  # another tab of the same page: the app routes, nothing reloads
+    run_page.get_by_text(re.compile(r"^Parameters \(\d+\)$")).first.wait_for()
+    yield run_page
+    run_page.screenshot(path=str(tmp_path / "last.png"), full_page=True)
+
+
+def test_run_page_shows_the_parameters(page, ui_run: UiRun, tmp_path: Path) -> None:
+    params = ui_run.client().get_run(ui_run.run_id).data.params
+    assert params["optimizer.lr"] == "0.003" and params["epochs"] == "3"
+    heading = page.get_by_text(re.compile(r"^Parameters \(\d+\)$")).first.inner_text()
+    assert heading == f"Parameters ({len(params)})"
+    for key in ("optimizer.lr", "epochs", "model.name", "dataset.name"):
+        row = page.get_by_role("row").filter(has=page.get_by_role("cell").get_by_text(key, exact=True))
+        assert row.count() >= 1, f"parameter {key} not on the page"
+        assert params[key] in row.first.inner_text()
+    assert page.get_by_text(ui_run.run_id, exact=True).count() >= 1, "the run id is not on its page"
+    assert page.get_by_text("Finished", exact=True).count() >= 1, "the run's status is not shown"
+    page.screenshot(path=str(tmp_path / "overview.png"), full_page=True)
+
+
+def test_model_metrics_tab_draws_the_val_loss_curve(page, ui_run: UiRun, tmp_path: Path) -> None:
+    history = ui_run.client().get_metric_history(ui_run.run_id, "val_loss")
+    assert [m.step for m in history] == [0, 1, 2]
+    page.get_by_text("Model metrics", exact=True).first.click()
+    page.get_by_placeholder(re.compile("Search metric charts", re.I)).fill("val_loss")
+    # a line chart of the history: the legend names the run and metric; the card, titled
+    # val_loss, holds a plotly plot with a drawn line over a "Step" axis
+    legend = page.get_by_text(re.compile(r"\(val_loss\)$")).first
+    legend.wait_for()
+    card = legend.locator("xpath=ancestor::div[.//*[normalize-space(text())='val_loss']][1]")
+    card.locator(".js-plotly-plot path.js-line").first.wait_for()
+    assert card.locator(".js-plotly-plot").count() == 1
+    assert "Step" in card.inner_text()
+    page.screenshot(path=str(tmp_path / "model_metrics.png"), full_page=True)
+
+
+def test_run_page_shows_the_logged_model_and_the_dataset(page, ui_run: UiRun, tmp_path: Path) -> None:
+    c = ui_run.client()
+    models = c.search_logged_models(experiment_ids=[ui_run.experiment_id], filter_string=f"source_run_id = '{ui_run.run_id}'")
+    datasets = c.get_run(ui_run.run_id).inputs.dataset_inputs
+    assert [m.name for m in models] == ["model"], "the run logged no model"
+    assert {d.dataset.name for d in datasets} == {"digits"}, "the run has no dataset inputs"
+    assert page.get_by_text(re.compile(r"^Logged models")).count() >= 1
+    for m in models:  # each logged model is linked from the run page
+        page.locator(f"a[href$='/models/{m.model_id}']").first.wait_for()
+    # the first dataset by name and digest, e.g. "digits (55c3a172)", then "+N" for the others
+    shown = "|".join(f"{re.escape(d.dataset.name)} \\({re.escape(d.dataset.digest[:8])}" for d in datasets)
+    page.get_by_text(re.compile(rf"^({shown})")).first.wait_for()
+    if len(datasets) > 1:
+        assert page.get_by_text(f"+{len(datasets) - 1}", exact=True).count() >= 1
+    page.screenshot(path=str(tmp_path / "model_and_dataset.png"), full_page=True)
+
+
+def test_artifacts_tab_lists_the_figures(page, ui_run: UiRun, tmp_path: Path) -> None:
+    artifacts = ui_run.artifacts()
+    figures = [a for a in artifacts if a.lower().endswith(FIGURE_SUFFIXES)]
+    assert len(figures) >= 2, f"fewer than two figures among the run's artifacts {artifacts}"
+    page.get_by_text("Artifacts", exact=True).first.click()
+    page.get_by_text("recipe.yaml", exact=True).first.wait_for()
+    for fig in figures:
+        *folders, name = fig.split("/")
+        for folder in folders:  # the tree starts collapsed
+            node = page.get_by_text(folder, exact=True).first
+            if not page.get_by_text(name, exact=True).count():
+                node.click()
+        page.get_by_text(name, exact=True).first.wait_for()
+    # a figure opens as an image in the preview pane
+    page.get_by_text(figures[0].split("/")[-1], exact=True).first.click()
+    if figures[0].lower().endswith((".png", ".jpg", ".jpeg")):
+        page.locator("img[src^='blob:']").first.wait_for()  # the preview loads the file into a blob
+    page.screenshot(path=str(tmp_path / "artifacts.png"), full_page=True)
