@@ -9,7 +9,6 @@ import typer
 
 from mpsrun.cli.common import (
     EXIT_FAIL,
-    EXIT_INTERRUPT,
     RecipeArg,
     app,
     bad_input,
