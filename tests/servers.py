@@ -18,7 +18,6 @@ import glob
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from tests.proc_helpers import free_port
 
 # The flags every MLflow server of this project is started with, in this order
 # (the test stack here and the `mlflow` service of docker/compose.yaml).
@@ -66,12 +67,6 @@ def mlflow_server_args(backend_store_uri: str, artifacts_destination: str, host:
         "--workers", str(workers),
         "--allowed-hosts", allowed_hosts,
     ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def pg_bin_dir() -> Path | None:

@@ -24,7 +24,7 @@ app = typer.Typer(
 console = Console()
 err = Console(stderr=True)
 
-EXIT_OK, EXIT_FAIL, EXIT_INPUT, EXIT_INTERRUPT, EXIT_TERM = 0, 1, 2, 130, 143
+from mpsrun.exitcodes import EXIT_FAIL, EXIT_INPUT, EXIT_INTERRUPT, EXIT_OK, EXIT_TERM  # noqa: F401 - re-exported to the commands
 
 RecipeArg = typer.Argument(..., help="Path to a YAML recipe.", show_default=False)
 OverridesArg = typer.Argument(None, help="Overrides as dotted key=value, e.g. epochs=1 optimizer.lr=0.01.", show_default=False)

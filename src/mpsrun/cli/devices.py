@@ -13,6 +13,7 @@ from mpsrun.cli.common import (
     EXIT_FAIL,
     EXIT_INTERRUPT,
     EXIT_OK,
+    EXIT_TERM,
     OverridesArg,
     RecipeArg,
     app,
@@ -35,7 +36,7 @@ def ui(
     uri, artifacts = tracking.resolve_uri(tracking_uri)
     console.print(f"MLflow UI for {uri} at http://127.0.0.1:{port}  (Ctrl-C to stop)", highlight=False)
     code = ui_server.serve(ui_server.command(uri, artifacts, "127.0.0.1", port))
-    if code in (EXIT_INTERRUPT, 143):
+    if code in (EXIT_INTERRUPT, EXIT_TERM):
         err.print("stopped: the MLflow UI server and its workers have exited", highlight=False)
     raise typer.Exit(code)
 

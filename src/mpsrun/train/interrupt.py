@@ -18,7 +18,9 @@ import sys
 import threading
 from typing import Any, Iterator
 
-EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+from mpsrun.exitcodes import EXIT_INTERRUPT, EXIT_TERM
+
+EXIT = {signal.SIGINT: EXIT_INTERRUPT, signal.SIGTERM: EXIT_TERM}
 
 
 class Interrupted(KeyboardInterrupt):
@@ -33,7 +35,7 @@ class Interrupted(KeyboardInterrupt):
 
 def exit_code(e: BaseException) -> int:
     """130 for Ctrl-C (and a plain KeyboardInterrupt), 143 for SIGTERM."""
-    return getattr(e, "exit_code", 130)
+    return getattr(e, "exit_code", EXIT_INTERRUPT)
 
 
 @contextlib.contextmanager

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from mpsrun.train import distributed
 
-EXIT_OK, EXIT_FAIL, EXIT_INPUT, EXIT_INTERRUPT, EXIT_TERM = 0, 1, 2, 130, 143
+from mpsrun.exitcodes import EXIT_FAIL, EXIT_INPUT, EXIT_INTERRUPT, EXIT_OK, EXIT_TERM  # noqa: F401
 
 
 class LaunchInputError(Exception):
