@@ -34,7 +34,7 @@ from mpsrun.train.schedulers import tensor_lr  # noqa: E402
 K, B = 16, 64
 
 
-def build(lr_mode: str, clip_mode: str, dev: torch.device) -> tuple[Callable[[], None], torch.cuda.CUDAGraph]:
+def build(lr_mode: str, clip_mode: str, dev: torch.device) -> tuple[Callable[[], None], tuple]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)).to(dev)
     if lr_mode == "fused":
@@ -91,7 +91,7 @@ def build(lr_mode: str, clip_mode: str, dev: torch.device) -> tuple[Callable[[],
     with torch.cuda.graph(g):
         for j in range(K):
             step(j)
-    return g.replay, g
+    return g.replay, (g, model, opt, obj, loss_sum, xs, ys)  # the graph reads these: keep them alive
 
 
 def main() -> int:
