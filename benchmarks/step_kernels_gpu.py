@@ -47,6 +47,8 @@ def build(lr_mode: str, clip_mode: str, dev: torch.device) -> tuple[Callable[[],
     if clip_mode != "none":
         obj.max_norm = 1.0
         obj.grad_norm = torch.zeros((), device=dev)
+    if clip_mode == "hooked":
+        obj.attach(model, opt, dev, False, 1)
     loss_sum = torch.zeros((), device=dev)
     xs = torch.rand(K, B, 1, 28, 28, device=dev)
     ys = torch.randint(0, 10, (K, B), device=dev)
@@ -55,7 +57,7 @@ def build(lr_mode: str, clip_mode: str, dev: torch.device) -> tuple[Callable[[],
         if clip_mode == "torch":
             total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
             torch.maximum(obj.grad_norm, total.detach().float(), out=obj.grad_norm)
-        elif clip_mode == "mpsrun":
+        elif clip_mode in ("mpsrun", "hooked"):
             obj.clip(model)
         elif clip_mode == "lean":
             grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -78,6 +80,7 @@ def build(lr_mode: str, clip_mode: str, dev: torch.device) -> tuple[Callable[[],
         loss.backward()
         clip()
         opt.step()
+        obj.end_step()
         loss_sum.add_(loss.detach().float(), alpha=B)
 
     side = torch.cuda.Stream(dev)
@@ -113,6 +116,8 @@ def main() -> int:
         ("clip:cat", "float", "cat"),
         ("clip:normonly", "float", "normonly"),
         ("lr:fused+clip:lean", "fused", "lean"),
+        ("clip:hooked (foreach SGD)", "float", "hooked"),
+        ("lr:fused+clip:hooked", "fused", "hooked"),
     ]
     graphs = {name: build(lr, clip, dev) for name, lr, clip in variants}
     times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
@@ -133,6 +138,13 @@ def main() -> int:
     for name, _, _ in variants:
         m = statistics.median(times[name])
         lines.append(f"| {name} | {m:.1f} | {m / base:.3f}x |")
+    # Same data, same number of replays: variants that clip must agree with torch's clip, the rest with base.
+    def flat(name: str) -> torch.Tensor:
+        return torch.cat([p.detach().flatten() for p in graphs[name][1][1].parameters()])
+    lines += ["", "| variant | max abs parameter difference from its reference |", "| --- | --- |"]
+    for name, _, clip in variants:
+        ref = "clip:torch" if clip not in ("none", "normonly") else "base"
+        lines.append(f"| {name} (vs {ref}) | {(flat(name) - flat(ref)).abs().max().item():.2e} |")
     text = "\n".join(lines)
     print(text)
     if a.out:
