@@ -7,7 +7,8 @@ The fashion recipe's step (784-512-512-10 MLP, batch 64, SGD) replayed as graphs
 - lr:tensorsgd: the rate a device tensor, through train/schedulers.TensorLRSGD;
 - lr:fused: torch SGD(fused=True) reading the tensor rate in its one kernel;
 - clip:torch: torch.nn.utils.clip_grad_norm_ (foreach) + the running max of the norm;
-- clip:mpsrun: what train/objective.Objective.clip does now;
+- clip:mpsrun: Objective.clip's torch path (clip_grad_norm_ + running max);
+- clip:fast: train/clipping.FastClip (two Triton kernels; scale into fused SGD);
 - combinations.
 
 Each variant replays REPLAYS graphs after a warm-up; median of ROUNDS interleaved
@@ -34,11 +35,17 @@ from mpsrun.train.schedulers import tensor_lr  # noqa: E402
 K, B = 16, 64
 
 
+def name_of(lr_mode: str, clip_mode: str) -> str:
+    return f"lr={lr_mode} clip={clip_mode}:"
+
+
 def build(lr_mode: str, clip_mode: str, dev: torch.device) -> tuple[Callable[[], None], tuple]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)).to(dev)
     if lr_mode == "fused":
         opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(1e-3, device=dev), fused=True)
+    elif lr_mode == "fusedfloat":
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, fused=True)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         if lr_mode == "tensorsgd":
@@ -47,8 +54,8 @@ def build(lr_mode: str, clip_mode: str, dev: torch.device) -> tuple[Callable[[],
     if clip_mode != "none":
         obj.max_norm = 1.0
         obj.grad_norm = torch.zeros((), device=dev)
-    if clip_mode == "hooked":
-        obj.attach(model, opt, dev, False, 1)
+    if clip_mode == "fast":
+        print(name_of(lr_mode, clip_mode), obj.attach(model, opt, dev, False, 1))
     loss_sum = torch.zeros((), device=dev)
     xs = torch.rand(K, B, 1, 28, 28, device=dev)
     ys = torch.randint(0, 10, (K, B), device=dev)
@@ -57,7 +64,7 @@ def build(lr_mode: str, clip_mode: str, dev: torch.device) -> tuple[Callable[[],
         if clip_mode == "torch":
             total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
             torch.maximum(obj.grad_norm, total.detach().float(), out=obj.grad_norm)
-        elif clip_mode in ("mpsrun", "hooked"):
+        elif clip_mode in ("mpsrun", "fast"):
             obj.clip(model)
         elif clip_mode == "lean":
             grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -80,7 +87,6 @@ def build(lr_mode: str, clip_mode: str, dev: torch.device) -> tuple[Callable[[],
         loss.backward()
         clip()
         opt.step()
-        obj.end_step()
         loss_sum.add_(loss.detach().float(), alpha=B)
 
     side = torch.cuda.Stream(dev)
@@ -116,8 +122,9 @@ def main() -> int:
         ("clip:cat", "float", "cat"),
         ("clip:normonly", "float", "normonly"),
         ("lr:fused+clip:lean", "fused", "lean"),
-        ("clip:hooked (foreach SGD)", "float", "hooked"),
-        ("lr:fused+clip:hooked", "fused", "hooked"),
+        ("clip:fast (foreach SGD)", "float", "fast"),
+        ("clip:fast (fused SGD)", "fusedfloat", "fast"),
+        ("lr:fused+clip:fast", "fused", "fast"),
     ]
     graphs = {name: build(lr, clip, dev) for name, lr, clip in variants}
     times: dict[str, list[float]] = {name: [] for name, _, _ in variants}

@@ -14,12 +14,12 @@ that does not divide evenly) is weighted by its own sample count.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-from mpsrun.train.clipping import HookedClip, usable
+from mpsrun.train.clipping import FastClip, usable
 from mpsrun.train.losses import TaskLoss
 from mpsrun.train.metrics import MetricSet
 
@@ -34,25 +34,22 @@ class Objective:
     accumulate: int = 1
     grad_norm: torch.Tensor | None = None  # the epoch's largest pre-clip norm, on the device
     after_step: list[Callable[[], None]] = field(default_factory=list)  # per optimizer step, eager only (a per-step LR schedule)
-    clipper: HookedClip | None = None  # clipping off the critical path (train/clipping.py), where exact
+    clipper: FastClip | None = None  # the two-kernel clip (train/clipping.py), where exact
 
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, fp16_scaler: bool, world_size: int, in_line: bool = False) -> str:
-        """Choose how to clip (hooked where exact, torch's clip elsewhere) and say which, for the run's notes.
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, fp16_scaler: bool, world_size: int, kernels: Any = None) -> str:
+        """Choose how to clip (two kernels where exact, torch's clip elsewhere) and say which, for the run's notes.
 
-        `in_line` runs the hooked clip without CUDA streams (the tests use it to check its
-        arithmetic against torch's on the CPU); by default only CUDA gets it, where the
-        latency of small kernels is what it saves.
+        `kernels` replaces the Triton kernels (the tests pass clipping.TorchKernels to
+        check the arithmetic on a machine without a GPU).
         """
         if self.max_norm is None or self.clipper is not None:
             return ""
-        why = usable(model, optimizer, fp16_scaler, world_size)
-        if why is None and device.type != "cuda" and not in_line:
-            why = "off CUDA a kernel's latency is not the cost"
+        why = None if kernels is not None else usable(model, device, self.norm_type, fp16_scaler, world_size)
         if why is not None:
             return f"grad_clip: torch.nn.utils.clip_grad_norm_ ({why})"
-        self.clipper = HookedClip(model, optimizer, self.max_norm, self.norm_type, device)
-        how = "the fused optimizer divides by the clip scale" if self.clipper.fused else "one foreach multiply applies it"
-        return f"grad_clip: per-parameter norms during backward{' on a side stream' if self.clipper.side is not None else ''}; {how}"
+        self.clipper = FastClip(model, optimizer, self.max_norm, device, kernels)
+        how = "the fused optimizer divides by the scale as it reads the gradients" if self.clipper.fused else "one foreach multiply applies the scale"
+        return f"grad_clip: global norm in two Triton kernels; {how}"
 
     @classmethod
     def default(cls, device: torch.device) -> "Objective":
@@ -62,7 +59,7 @@ class Objective:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         extra = (self.grad_norm,) if self.grad_norm is not None else ()
         if self.clipper is not None:
-            extra = (*extra, self.clipper.peak, self.clipper.norms)
+            extra = (*extra, self.clipper.peak)
         return (*self.metrics.tensors(), *extra)
 
     def clip(self, model: nn.Module) -> None:
@@ -75,11 +72,6 @@ class Objective:
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_norm, norm_type=self.norm_type)
         assert self.grad_norm is not None
         torch.maximum(self.grad_norm, total.detach().float(), out=self.grad_norm)
-
-    def end_step(self) -> None:
-        """After the optimizer step: join the clip's side stream (a CUDA graph must end joined)."""
-        if self.clipper is not None:
-            self.clipper.join()
 
     def epoch_metrics(self) -> dict[str, float]:
         """The training-side figures of an epoch (read once, at its end) and reset for the next."""

@@ -107,7 +107,6 @@ class Trainer:
         if last:
             for hook in self.objective.after_step:
                 hook()
-            self.objective.end_step()
         self.loss_sum.add_(loss.detach().float(), alpha=y.shape[0])
 
     def val_step(self, x: torch.Tensor, y: torch.Tensor, cache: bool = True) -> None:
