@@ -20,7 +20,7 @@ from mpsrun.plugins.components import METRICS
 from mpsrun.plugins.contract import DataSplits
 from mpsrun.recipe.model import Recipe
 from mpsrun.recipe.problems import did_you_mean
-from mpsrun.train import distributed, schedulers
+from mpsrun.train import clipping, distributed, schedulers
 from mpsrun.train.callbacks import Callback
 from mpsrun.train.data import BatchPlan
 from mpsrun.train.losses import build_loss
@@ -113,8 +113,8 @@ def build(recipe: Recipe, splits: DataSplits, model: nn.Module, optimizer: torch
     if recipe.scheduler is not None:
         steps = -(-len(plan.train) // recipe.accumulate)  # optimizer steps per epoch
         if options.graphs:
-            schedulers.tensor_lr(optimizer, device)
-            out.notes.append("scheduler: the learning rate is a device tensor the CUDA graphs read")
+            how = schedulers.tensor_lr(optimizer, device)
+            out.notes.append(f"scheduler: the learning rate is a device tensor the CUDA graphs read; {how}")
         try:
             sched, plateau = schedulers.build(recipe.scheduler, optimizer, steps)
         except schedulers.ScheduleError as e:
@@ -126,6 +126,11 @@ def build(recipe: Recipe, splits: DataSplits, model: nn.Module, optimizer: torch
             if plateau:
                 _check_monitor("scheduler.monitor", recipe.scheduler.monitor, objective)
             out.callbacks.append(schedulers.ScheduleCallback(sched, plateau, recipe.scheduler.monitor))
+    if clip is not None:
+        if clipping.usable(model, device, objective.norm_type, options.precision == "fp16", distributed.world_size()) is None:
+            schedulers.fuse_sgd(optimizer, device)  # lets the optimizer apply the clip scale in its own kernel
+        note = objective.attach(model, optimizer, device, options.precision == "fp16", distributed.world_size())
+        out.notes.append(note)
     if recipe.early_stopping is not None:
         es = recipe.early_stopping
         _check_monitor("early_stopping.monitor", es.monitor, objective)

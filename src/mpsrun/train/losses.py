@@ -30,9 +30,10 @@ class TaskLoss(nn.Module):
         self.name = name
 
     def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        out = out.float()
+        if out.dtype != torch.float64:  # fp16/bf16 outputs meet the loss in fp32; fp64 (parity's yardstick) stays
+            out = out.float()
         if self.task == "regression":
-            y = y.float()
+            y = y.to(out.dtype)
             if out.numel() == y.numel():
                 out = out.reshape(y.shape)  # (N, 1) vs (N,): mse would broadcast to (N, N)
         return self.inner(out, y)
