@@ -7,7 +7,10 @@ builds data and model. Then it serves `store.Tracker` calls sent over stdin
 pointed at stderr so that nothing MLflow prints can corrupt the pipe.
 
 It ignores SIGINT (the main process marks the run KILLED through it) and ends on
-end-of-file: after writing the metrics it still holds.
+end-of-file: after writing the metrics (and system metrics) it still holds.
+
+Once the store is open, a thread imports what the run's end needs (`hooks.warm`:
+torch, torch.export, mlflow.pytorch, matplotlib) while the training process trains.
 """
 
 from __future__ import annotations
@@ -15,11 +18,15 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import traceback
 from typing import Any
 
-from mpsrun.track import store
+from mpsrun.track import hooks, store
 from mpsrun.track.background import receive, send
+
+
+WARM_ENV = "MPSRUN_HELPER_WARM"  # 0: no imports ahead of need (for measuring what warming buys)
 
 
 def _error(e: BaseException) -> tuple[bool, tuple[str, str, str]]:
@@ -40,6 +47,11 @@ def main(argv: list[str]) -> int:
     except BaseException as e:
         setup_error = e
     tracker: store.Tracker | None = None
+    if setup_error is None and os.environ.get(WARM_ENV, "1") != "0":
+        # While the training process imports torch and trains, import what the end of the
+        # run needs (torch, torch.export, mlflow.pytorch, matplotlib) on a thread: requests
+        # are still answered in between, and a request needing a module waits for it.
+        threading.Thread(target=hooks.warm, name="mpsrun-helper-warm", daemon=True).start()
 
     while True:
         try:
@@ -67,6 +79,7 @@ def main(argv: list[str]) -> int:
         except Exception as e:  # a reply that cannot be pickled: say so instead
             send(reply_stream, _error(TypeError(f"{name} returned an unpicklable {type(reply[1]).__name__}: {e}")))
     if tracker is not None:
+        hooks.stop_system(tracker)
         tracker.flush()  # the main process ended without finish(): keep what was logged
     return 0
 

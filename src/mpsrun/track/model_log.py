@@ -104,14 +104,32 @@ def log_model(
     `step` is the last epoch: MLflow links the run's metrics at that step (the final
     epoch's losses and accuracy) to the LoggedModel.
     """
+    t0 = time.perf_counter()
+    res = log_served(uri, experiment_id, run_id, served_copy(model, transform), example, distributions, info, metadata, register, step)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def log_served(
+    uri: str,
+    experiment_id: str,
+    run_id: str,
+    served: ServedModel,
+    example: Any,
+    distributions: dict[str, str],
+    info: dict[str, Any],
+    metadata: dict[str, Any],
+    register: str | None = None,
+    step: int = 0,
+) -> ModelLogResult:
+    """`log_model` for a `served_copy` made already (in the MLflow helper: made by the training process)."""
     import mlflow
     from mlflow.models import infer_signature
 
     t0 = time.perf_counter()
     mlflow.set_tracking_uri(uri)
     mlflow.set_experiment(experiment_id=experiment_id)  # the LoggedModel's experiment is the run's
-    served = served_copy(model, transform)
-    x = example.detach().to("cpu")
+    x = torch.as_tensor(example).detach().to("cpu")
     with torch.no_grad():
         y = served(x)
     x_np = x.numpy()

@@ -350,8 +350,8 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
         seen = len(rec.notes)
         if main:
             distributed.for_recording(setup)  # the user's module and the whole validation set, on rank 0
-            outbox = getattr(tracker, "outbox", None)
-            if outbox is not None and outbox.pending():  # the store is away: the spool keeps metrics, params, tags and status, not models
+            away = getattr(tracker, "store_away", None)
+            if away is not None and away():  # the store is away: the spool keeps metrics, params, tags and status, not models
                 rec.notes.append("the tracking store is away at the end of training: figures and the logged model are skipped (metrics, params, tags and the final status are spooled)")
             else:
                 record.end(rec, result)  # figures, description, the logged (and registered) model
