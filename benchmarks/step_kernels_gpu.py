@@ -8,7 +8,7 @@ The fashion recipe's step (784-512-512-10 MLP, batch 64, SGD) replayed as graphs
 - lr:fused: torch SGD(fused=True) reading the tensor rate in its one kernel;
 - clip:torch: torch.nn.utils.clip_grad_norm_ (foreach) + the running max of the norm;
 - clip:mpsrun: Objective.clip's torch path (clip_grad_norm_ + running max);
-- clip:fast: train/clipping.FastClip (two Triton kernels; scale into fused SGD);
+- clip:fast: train/clipping.FastClip (one Triton kernel, one foreach multiply);
 - combinations.
 
 Each variant replays REPLAYS graphs after a warm-up; median of ROUNDS interleaved
@@ -55,7 +55,7 @@ def build(lr_mode: str, clip_mode: str, dev: torch.device) -> tuple[Callable[[],
         obj.max_norm = 1.0
         obj.grad_norm = torch.zeros((), device=dev)
     if clip_mode == "fast":
-        print(name_of(lr_mode, clip_mode), obj.attach(model, opt, dev, False, 1))
+        print(name_of(lr_mode, clip_mode), obj.attach(model, dev, False, 1))
     loss_sum = torch.zeros((), device=dev)
     xs = torch.rand(K, B, 1, 28, 28, device=dev)
     ys = torch.randint(0, 10, (K, B), device=dev)

@@ -1,8 +1,14 @@
-"""The Triton kernels behind train/clipping.py's two-stage clip (imported only where they run).
+"""The Triton kernel behind train/clipping.py's clip (imported only where it runs).
 
 Apart from clipping.py because importing triton costs time and does not exist on every
 machine (Macs): this module is imported only when a CUDA run clips. Triton resolves a
 kernel's helpers from its module's globals, so they live at the top level here.
+
+One launch per 8 gradients. Every program writes its partial sum of squares, then
+takes a ticket from a counter; the program holding the last ticket of the last launch
+adds the partials up in a fixed order (so a replay gives the same bits), writes the
+norm's running max and 1/scale, and resets the counter for the next step. One kernel
+instead of two: in a graphed step of a small model each kernel costs about 4 us.
 """
 
 from __future__ import annotations
@@ -20,9 +26,12 @@ def add_squares(acc, g, n, pid, step, BLOCK: tl.constexpr):  # pragma: no cover 
     return acc
 
 
-@triton.jit(do_not_specialize=["n0", "n1", "n2", "n3", "n4", "n5", "n6", "n7"])
-def sumsq(out, g0, n0, g1, n1, g2, n2, g3, n3, g4, n4, g5, n5, g6, n6, g7, n7, BLOCK: tl.constexpr):  # pragma: no cover - CUDA
-    """Each program's partial sum of squares over up to 8 gradients (grid-stride; fixed order)."""
+@triton.jit(do_not_specialize=["base", "n0", "n1", "n2", "n3", "n4", "n5", "n6", "n7"])
+def clip_norm(
+    partials, counter, peak, inv, max_norm, base,
+    g0, n0, g1, n1, g2, n2, g3, n3, g4, n4, g5, n5, g6, n6, g7, n7,
+    TOTAL: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr,
+):  # pragma: no cover - CUDA
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -34,15 +43,12 @@ def sumsq(out, g0, n0, g1, n1, g2, n2, g3, n3, g4, n4, g5, n5, g6, n6, g7, n7, B
     acc = add_squares(acc, g5, n5, pid, step, BLOCK)
     acc = add_squares(acc, g6, n6, pid, step, BLOCK)
     acc = add_squares(acc, g7, n7, pid, step, BLOCK)
-    tl.store(out + pid, tl.sum(acc, axis=0))
-
-
-@triton.jit(do_not_specialize=["n"])
-def finalize(partials, n, peak, scale, inv, max_norm, BLOCK: tl.constexpr):  # pragma: no cover - CUDA
-    """One program: the norm from the partial sums, the running max, the clip scale and its inverse."""
-    offs = tl.arange(0, BLOCK)
-    total = tl.sqrt(tl.sum(tl.load(partials + offs, mask=offs < n, other=0.0), axis=0))
-    tl.store(peak, tl.maximum(tl.load(peak), total))
-    s = tl.maximum(total / max_norm, 1.0)
-    tl.store(scale, s)
-    tl.store(inv, 1.0 / s)
+    tl.store(partials + base + pid, tl.sum(acc, axis=0))
+    ticket = tl.atomic_add(counter, 1, sem="acq_rel")  # release: this program's partial is written
+    if ticket == TOTAL - 1:  # the last program of the step: every partial is written
+        offs = tl.arange(0, PBLOCK)
+        sq = tl.load(partials + offs, mask=offs < TOTAL, other=0.0, cache_modifier=".cg")
+        total = tl.sqrt(tl.sum(sq, axis=0))
+        tl.store(peak, tl.maximum(tl.load(peak), total))
+        tl.store(inv, 1.0 / tl.maximum(total / max_norm, 1.0))
+        tl.atomic_xchg(counter, 0)  # ready for the next step

@@ -1,30 +1,25 @@
 """Gradient clipping in two kernels on CUDA, for steps where kernel latency is the cost.
 
 Why not just `torch.nn.utils.clip_grad_norm_`: in a CUDA-graphed step of a small
-model each kernel costs about 3 us of latency, and torch's clip puts some nine of
+model each kernel costs about 4 us of latency, and torch's clip puts some nine of
 them in a row between backward and the optimizer (per-tensor norms in two, stack,
 total, epsilon, coefficient, clamp, multiply, and our running max): the fashion
 MLP's step went from 102 to 130 us on the H100 (benchmarks/step_kernels_gpu.py).
-Norms taken by backward hooks on a side stream were slower still (144 us): the
-cross-stream dependencies cost more than the kernels they hide.
+Tried and dropped, measured there: norms taken by backward hooks on a side stream
+(144 us: the cross-stream dependencies cost more than the kernels they hide), and
+handing the scale to fused SGD as its `grad_scale` (130 us: slower than a multiply).
 
-What this does, with the same arithmetic (2-norm):
-1. one Triton kernel per 8 gradients writes fixed-order partial sums of squares;
-2. one single-program Triton kernel adds them up, keeps the epoch's largest norm and
-   writes `scale = max(norm / max_norm, 1)`;
-3. a fused optimizer (torch's `fused=True` SGD/Adam/AdamW...; `fuse_sgd` in
-   schedulers.py switches plain SGD to it) takes `scale` as its `grad_scale` and
-   divides the gradients as it reads them, so applying the clip costs nothing. Any
-   other optimizer gets one foreach multiply by 1/scale.
-The sums run in a fixed order (no atomics), so a replay gives the same bits each time.
+What this does, with torch's arithmetic (2-norm): one Triton kernel (clip_kernels.py)
+writes fixed-order partial sums of squares and, in its last program, the norm's
+running max and `inv = min(max_norm / norm, 1)`; then one foreach multiply by `inv`.
+The sums run in a fixed order (no float atomics): a replay gives the same bits.
 The update equals torch's clip up to its 1e-6 epsilon (coef = max_norm / (norm + 1e-6)).
-With a fused optimizer the `.grad` tensors stay unclipped; callbacks see backward's.
 
 Used only where it is exact: CUDA, float32 dense gradients, norm_type 2, one process
 (DDP averages gradients after backward) and no fp16 GradScaler (scaled gradients).
 Everywhere else `Objective.clip` calls torch's clip, and the run's notes say which.
-`TorchKernels` runs the same two stages with torch ops: the tests check the wrapper's
-arithmetic with it on machines without a GPU.
+`TorchKernels` does the kernel's arithmetic with torch ops: the tests check the
+wrapper with it, and the kernel against it in Triton's CPU interpreter.
 """
 
 from __future__ import annotations
@@ -40,77 +35,62 @@ BLOCK = 1024
 
 
 class TorchKernels:
-    """The two stages in torch ops: the reference the Triton kernels must match."""
+    """The kernel's arithmetic in torch ops: the reference the Triton kernel must match."""
 
-    def partials(self, grads: list[torch.Tensor], out: torch.Tensor) -> None:
-        out.zero_()
-        out[0] = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
-
-    def finalize(self, partials: torch.Tensor, peak: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor, max_norm: float) -> None:
-        total = partials.sum().sqrt()
+    def clip_norm(self, grads: list[torch.Tensor], partials: torch.Tensor, counter: torch.Tensor, peak: torch.Tensor, inv: torch.Tensor, max_norm: float) -> None:
+        total = torch.stack([g.float().pow(2).sum() for g in grads]).sum().sqrt()
         torch.maximum(peak, total, out=peak)
-        torch.clamp(total / max_norm, min=1.0, out=scale)
-        torch.reciprocal(scale, out=inv)
+        torch.reciprocal(torch.clamp(total / max_norm, min=1.0), out=inv)
 
 
 class TritonKernels:
-    """The two stages as Triton kernels (compiled once per machine, then from Triton's cache)."""
+    """The norm, its running max and 1/scale in one Triton kernel per 8 gradients (clip_kernels.py)."""
 
     def __init__(self) -> None:
         from mpsrun.train import clip_kernels  # imports triton: CUDA machines only, and only when clipping
 
-        self._sumsq, self._finalize = clip_kernels.sumsq, clip_kernels.finalize
+        self._kernel = clip_kernels.clip_norm
 
-    def partials(self, grads: list[torch.Tensor], out: torch.Tensor) -> None:
-        for c in range(0, len(grads), SLOTS):
-            chunk = grads[c : c + SLOTS]
+    def clip_norm(self, grads: list[torch.Tensor], partials: torch.Tensor, counter: torch.Tensor, peak: torch.Tensor, inv: torch.Tensor, max_norm: float) -> None:
+        launches = -(-len(grads) // SLOTS)
+        total = launches * PROGRAMS
+        for c in range(launches):
+            chunk = grads[c * SLOTS : (c + 1) * SLOTS]
             args: list[Any] = []
             for j in range(SLOTS):
                 g = chunk[j] if j < len(chunk) else chunk[0]
                 args += [g, g.numel() if j < len(chunk) else 0]
-            self._sumsq[(PROGRAMS,)](out[(c // SLOTS) * PROGRAMS :], *args, BLOCK=BLOCK)
-
-    def finalize(self, partials: torch.Tensor, peak: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor, max_norm: float) -> None:
-        n = partials.numel()
-        self._finalize[(1,)](partials, n, peak, scale, inv, max_norm, BLOCK=max(16, 1 << (n - 1).bit_length()))
+            self._kernel[(PROGRAMS,)](
+                partials, counter, peak, inv, max_norm, c * PROGRAMS, *args,
+                TOTAL=total, BLOCK=BLOCK, PBLOCK=max(16, 1 << (total - 1).bit_length()),
+            )
 
 
 class FastClip:
-    """Clip by global 2-norm in two kernels; the scale goes to a fused optimizer where there is one."""
+    """Clip by global 2-norm: one kernel for the norm (per 8 gradients), one foreach multiply."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, device: torch.device, kernels: Any = None) -> None:
+    def __init__(self, model: nn.Module, max_norm: float, device: torch.device, kernels: Any = None) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.max_norm = float(max_norm)
         self.kernels = kernels if kernels is not None else TritonKernels()
-        launches = -(-len(self.params) // SLOTS)
-        self.partial = torch.zeros(launches * PROGRAMS, device=device)
+        self.partials = torch.zeros(-(-len(self.params) // SLOTS) * PROGRAMS, device=device)
+        self.counter = torch.zeros((), dtype=torch.int32, device=device)
         self.peak = torch.zeros((), device=device)  # the epoch's largest pre-clip norm
-        self.scale = torch.ones((), device=device)
-        self.inv = torch.ones((), device=device)
-        self.optimizer = optimizer
-        self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(g.get("fused") for g in optimizer.param_groups)
-        if self.fused:
-            optimizer.grad_scale = self.scale  # type: ignore[attr-defined]  # read by torch's fused step
+        self.inv = torch.ones((), device=device)  # min(max_norm / norm, 1)
 
     def clip(self) -> None:
         """After backward, before the optimizer step."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return
-        self.kernels.partials(grads, self.partial)
-        self.kernels.finalize(self.partial, self.peak, self.scale, self.inv, self.max_norm)
-        if not self.fused:
-            torch._foreach_mul_(grads, self.inv)
+        self.kernels.clip_norm(grads, self.partials, self.counter, self.peak, self.inv, self.max_norm)
+        torch._foreach_mul_(grads, self.inv)
 
     def read_peak(self) -> float:
         """The epoch's largest pre-clip norm; resets it."""
         value = self.peak.item()
         self.peak.zero_()
         return value
-
-    def remove(self) -> None:
-        if self.fused and getattr(self.optimizer, "grad_scale", None) is self.scale:
-            del self.optimizer.grad_scale  # type: ignore[attr-defined]
 
 
 def usable(model: nn.Module, device: torch.device, norm_type: float, fp16_scaler: bool, world_size: int) -> str | None:

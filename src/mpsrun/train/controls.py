@@ -20,7 +20,7 @@ from mpsrun.plugins.components import METRICS
 from mpsrun.plugins.contract import DataSplits
 from mpsrun.recipe.model import Recipe
 from mpsrun.recipe.problems import did_you_mean
-from mpsrun.train import clipping, distributed, schedulers
+from mpsrun.train import distributed, schedulers
 from mpsrun.train.callbacks import Callback
 from mpsrun.train.data import BatchPlan
 from mpsrun.train.losses import build_loss
@@ -127,9 +127,7 @@ def build(recipe: Recipe, splits: DataSplits, model: nn.Module, optimizer: torch
                 _check_monitor("scheduler.monitor", recipe.scheduler.monitor, objective)
             out.callbacks.append(schedulers.ScheduleCallback(sched, plateau, recipe.scheduler.monitor))
     if clip is not None:
-        if clipping.usable(model, device, objective.norm_type, options.precision == "fp16", distributed.world_size()) is None:
-            schedulers.fuse_sgd(optimizer, device)  # lets the optimizer apply the clip scale in its own kernel
-        note = objective.attach(model, optimizer, device, options.precision == "fp16", distributed.world_size())
+        note = objective.attach(model, device, options.precision == "fp16", distributed.world_size())
         out.notes.append(note)
     if recipe.early_stopping is not None:
         es = recipe.early_stopping

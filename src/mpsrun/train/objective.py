@@ -36,8 +36,8 @@ class Objective:
     after_step: list[Callable[[], None]] = field(default_factory=list)  # per optimizer step, eager only (a per-step LR schedule)
     clipper: FastClip | None = None  # the two-kernel clip (train/clipping.py), where exact
 
-    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, fp16_scaler: bool, world_size: int, kernels: Any = None) -> str:
-        """Choose how to clip (two kernels where exact, torch's clip elsewhere) and say which, for the run's notes.
+    def attach(self, model: nn.Module, device: torch.device, fp16_scaler: bool, world_size: int, kernels: Any = None) -> str:
+        """Choose how to clip (one Triton kernel + one multiply where exact, torch's clip elsewhere) and say which, for the run's notes.
 
         `kernels` replaces the Triton kernels (the tests pass clipping.TorchKernels to
         check the arithmetic on a machine without a GPU).
@@ -47,9 +47,8 @@ class Objective:
         why = None if kernels is not None else usable(model, device, self.norm_type, fp16_scaler, world_size)
         if why is not None:
             return f"grad_clip: torch.nn.utils.clip_grad_norm_ ({why})"
-        self.clipper = FastClip(model, optimizer, self.max_norm, device, kernels)
-        how = "the fused optimizer divides by the scale as it reads the gradients" if self.clipper.fused else "one foreach multiply applies the scale"
-        return f"grad_clip: global norm in two Triton kernels; {how}"
+        self.clipper = FastClip(model, self.max_norm, device, kernels)
+        return "grad_clip: global norm in one Triton kernel, then one foreach multiply"
 
     @classmethod
     def default(cls, device: torch.device) -> "Objective":

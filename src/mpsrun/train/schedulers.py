@@ -101,9 +101,8 @@ def tensor_lr(optimizer: torch.optim.Optimizer, device: torch.device) -> str:
 def fuse_sgd(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
     """Switch a built torch SGD to its fused kernel, as `SGD(..., fused=True)` would have set it up.
 
-    Same update rule; one kernel per step instead of one per foreach op, and it can
-    divide the gradients by a clip scale as it reads them (train/clipping.py). Only
-    on CUDA, with float32 parameters and no `foreach`/`differentiable` asked for.
+    Same update rule; one kernel per step instead of one per foreach op. Only on
+    CUDA, with float32 parameters and no `foreach`/`differentiable` asked for.
     """
     if type(optimizer) is not torch.optim.SGD or device.type != "cuda":
         return False
