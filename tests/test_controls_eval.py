@@ -115,3 +115,46 @@ def test_synthetic_uint8_samples_of_any_rank_train(work: Workdir, shape: str, ta
         assert m["val_r2"] > 0.6 and not math.isnan(m["val_mae"]) and "val_accuracy" not in m
     else:
         assert "val_accuracy" in m and "val_r2" not in m
+
+
+def _doc_block(after: str, lang: str) -> str:
+    """The first ```lang block after the heading `after` in docs/plugins.md."""
+    text = (RECIPES.parent / "docs" / "plugins.md").read_text()
+    rest = text[text.index(after):]
+    start = rest.index(f"```{lang}\n") + len(lang) + 4
+    return rest[start : rest.index("```", start)]
+
+
+def test_docs_callback_example_runs_as_written(work: Workdir, fake_dist) -> None:  # type: ignore[no-untyped-def]
+    """docs/plugins.md's StopAtAccuracy, registered under the name its snippet gives, stops a real run."""
+    source = _doc_block("### Callbacks", "python")
+    name, target = _doc_block("### Callbacks", "toml").split("\n")[1].split(" = ")
+    fake_dist("my-lab", source, callbacks={name: target.strip('"').split(":")[1]})
+    recipe = (
+        "device: cpu\nepochs: 6\nbatch_size: 32\nseed: 0\ndataset: {name: digits}\nmodel: {name: mlp, hidden: [32]}\n"
+        "optimizer: {name: sgd, lr: 0.1}\ntracking: {experiment: cb}\n"
+        + _doc_block("### Callbacks", "yaml").split("#")[0].replace("0.9", "0.5")
+    )
+    r = work.cli("run", work.write("cb.yaml", recipe), "-q")
+    assert r.exit_code == 0, r.output
+    (run,) = work.runs("cb")
+    assert run.info.status == "FINISHED"
+    assert "stopped: val_accuracy reached 0.5" in r.stdout
+    gaps = work.history(run.info.run_id, "gap_to_target")
+    assert len(gaps) < 6 and gaps[-1][1] <= 0  # stopped at the first epoch at or over the target
+    assert "target.txt" in {a.path for a in work.client().list_artifacts(run.info.run_id)}
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        ((TABULAR, "loss.name=cross_entropy"), "'cross_entropy' is a classification loss, but this dataset's task is regression"),
+        ((RECIPES / "digits_mlp.yaml", "loss.name=mse"), "'mse' is a regression loss, but this dataset's task is classification"),
+    ],
+)
+def test_a_loss_of_the_other_task_is_bad_input_not_a_meaningless_run(work: Workdir, args: tuple, says: str) -> None:
+    """cross_entropy on float targets once trained to a falling loss and an R^2 of -749, exit 0."""
+    r = work.cli("run", *args, "device=cpu", "epochs=1", "-q")
+    assert r.exit_code == 2, r.output
+    assert says in " ".join(r.output.split())
+    assert not work.runs("tabular_regression") and not work.runs("digits_mlp")

@@ -81,7 +81,8 @@ def parity(
 ) -> None:
     """Check that two devices compute the same training: loss, gradients, logits (a regression's predictions), weights. Exit 0 agree, 1 diverge.
 
-    Steps use the recipe's own loss for its task and its grad_clip."""
+    Steps use the recipe's own loss for its task and its grad_clip.
+    """
     resolved = resolve_recipe(recipe, overrides)
     require_store(tracking_uri)
     from mpsrun.devices.parity import run as par
