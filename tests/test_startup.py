@@ -269,6 +269,20 @@ def _record(work, run) -> dict:  # type: ignore[no-untyped-def]
     }
 
 
+def _model_files(work, run) -> dict:  # type: ignore[no-untyped-def]
+    """The logged model's MLmodel (less what differs between any two models) and its files' names."""
+    import mlflow
+    from mlflow.models import Model
+
+    mlflow.set_tracking_uri(work.uri)
+    local = Path(mlflow.artifacts.download_artifacts(f"runs:/{run.info.run_id}/model", dst_path=str(work.path / run.info.run_id)))
+    m = Model.load(str(local)).to_dict()
+    for k in ("run_id", "utc_time_created", "model_uuid", "model_id", "artifact_path", "model_size_bytes"):
+        m.pop(k, None)
+    files = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
+    return {"MLmodel": m, "files": files, "requirements": (local / "requirements.txt").read_text()}
+
+
 @pytest.fixture
 def baseline(work):  # type: ignore[no-untyped-def]
     """The run as the in-process Tracker records it (the path every run took before this change)."""
@@ -285,7 +299,7 @@ def baseline(work):  # type: ignore[no-untyped-def]
 def test_background_tracker_keeps_every_record(work, baseline, mode: str) -> None:  # type: ignore[no-untyped-def]
     recipe, before = baseline
     if mode in ("process", "auto"):  # the real console path in a fresh interpreter
-        out, text = probe(["run", str(recipe), "-q"], work.path, env={"MPSRUN_MLFLOW_HELPER": mode})
+        out, text = probe(["run", str(recipe), "-q"], work.path, env={"MPSRUN_MLFLOW_HELPER": mode, "MPSRUN_HELPER_TRACE": str(work.path / "helper_trace.txt")})
         assert out["code"] == 0, text
         # the training process never imports MLflow, matplotlib or scikit-learn: the helper does the MLflow work
         assert set(out["heavy"]) == {"torch"}, text
@@ -310,6 +324,10 @@ def test_background_tracker_keeps_every_record(work, baseline, mode: str) -> Non
     differ = sorted(k for k in before["tags"] if k not in VARIES and after["tags"][k] != before["tags"][k])
     assert differ == [], [(k, before["tags"][k], after["tags"][k]) for k in differ]
     assert after["tags"]["mpsrun.mlflow_helper"] == {"auto": "process (auto)", "process": "process (MPSRUN_MLFLOW_HELPER=process)", "thread": "thread (MPSRUN_MLFLOW_HELPER=thread)"}[mode]
+    if mode == "auto":  # the model: exported by the training process, written by the helper without torch
+        assert _model_files(work, runs[1]) == _model_files(work, runs[0])
+        text = (work.path / "helper_trace.txt").read_text()
+        assert "torch imported: False" in text, text
     # the same training: the data, split and weights did not change with the readers
     assert after["metrics"]["val_accuracy"] == before["metrics"]["val_accuracy"]
     c = work.client()

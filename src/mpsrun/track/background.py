@@ -210,12 +210,19 @@ class BackgroundTracker:
             return self._call("hook", name, *args)
         import tempfile
 
-        import torch  # the model is saved here; the helper loads it (it imports torch while this one trains)
+        import torch
 
+        from mpsrun.track import model_log
+
+        served, example, rest = args[0], args[1], args[2:]
         with tempfile.TemporaryDirectory(prefix="mpsrun-model-") as d:
-            path = str(Path(d) / "served.pt")
-            torch.save(args[0], path)
-            return self._call("hook", name, path, *args[1:])
+            try:  # exported here, where torch._dynamo is loaded; the helper writes the MLflow model around the file
+                pt2, outputs = model_log.export_pt2(served, example, d)
+            except Exception:  # noqa: BLE001 - torch.export cannot trace it: the helper tries again, then pickles (with a note)
+                path = str(Path(d) / "served.pt")
+                torch.save(served, path)
+                return self._call("hook", name, path, example, *rest)
+            return self._call("hook", "log_exported", pt2, example, outputs, str(torch.__version__), *rest)
 
     def log_state_dict(self, state: dict[str, Any], name: str = "model.pt") -> None:
         if self._remote is None:

@@ -23,10 +23,10 @@ from mpsrun.track import figures, standard
 # What the run's hooks need, imported by the helper while the training process trains, in the
 # order they are asked for: dataset inputs at the start, figures, then the model (torch, pt2).
 WARM_MODULES = ("mlflow.data", "mlflow.entities", "matplotlib.figure", "matplotlib.backends.backend_agg",
-                "torch", "torch.export", "mlflow.pytorch", "mlflow.models")
+                "mlflow.models", "mlflow.pyfunc", "mlflow.utils.environment", "mlflow.utils.model_utils", "mlflow.system_metrics.system_metrics_monitor")
 
 
-def warm() -> None:
+def warm(mark: Any = None) -> None:
     """Import what `begin` and `end` will need, so the end of a run is only its work."""
     import importlib
 
@@ -35,6 +35,19 @@ def warm() -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the hook that needs it reports the failure itself
             pass
+        if mark is not None:
+            mark(f"warm: imported {name}")
+    # A first draw loads matplotlib's fonts: one tiny figure, thrown away. (No torch here: the
+    # training process exports the model, `model_pt2` logs it without importing torch.)
+    try:
+        import io
+
+        fig = figures.learning_curves([{"train_loss": 1.0, "val_loss": 1.0, "val_accuracy": 0.5}], "warm-up")
+        fig.savefig(io.BytesIO(), format="png")
+    except Exception:  # noqa: BLE001
+        pass
+    if mark is not None:
+        mark("warm: a tiny figure")
 
 
 def begin(t: Any, recipe_path: str | None, dataset_name: str, splits: list[track_datasets.Split], source_path: str | None,
@@ -99,3 +112,12 @@ def log_model(t: Any, served: Any, example: Any, distributions: dict[str, str], 
         served = torch.load(served, map_location="cpu", weights_only=False)
     res = model_log.log_served(t.uri, t.experiment_id, t.run_id, served, example, distributions, info, metadata, register=register, step=step)
     return {"model_uri": res.model_uri, "model_id": res.model_id, "seconds": res.seconds, "registered": res.registered, "notes": res.notes}
+
+
+def log_exported(t: Any, pt2_file: str, example: Any, outputs: Any, torch_version: str, distributions: dict[str, str],
+                 info: dict[str, Any], metadata: dict[str, Any], register: str | None, step: int) -> dict[str, Any]:
+    """The logged (and registered) model from a pt2 file the training process exported (no torch here)."""
+    from mpsrun.track import model_pt2
+
+    return model_pt2.log_exported(t.uri, t.experiment_id, t.run_id, pt2_file, example, outputs, torch_version, "model",
+                                  distributions, info, metadata, register=register, step=step)
