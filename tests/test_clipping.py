@@ -125,6 +125,8 @@ def test_triton_kernels_match_the_torch_reference_in_tritons_interpreter() -> No
     import sys
 
     pytest.importorskip("triton", reason="Triton is not installed here (it ships with torch's Linux wheels)")
+    if torch.cuda.is_available():  # older Tritons' interpreters lack a scalar `if` on an atomic's result
+        pytest.skip("on a CUDA machine the _cuda tests run the kernel itself")
     code = """
 import torch
 from mpsrun.train import clipping
