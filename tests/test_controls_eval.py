@@ -158,3 +158,20 @@ def test_a_loss_of_the_other_task_is_bad_input_not_a_meaningless_run(work: Workd
     assert r.exit_code == 2, r.output
     assert says in " ".join(r.output.split())
     assert not work.runs("tabular_regression") and not work.runs("digits_mlp")
+
+
+def test_bench_of_a_regression_recipe_tables_val_r2(work: Workdir) -> None:
+    """A regression cell once crashed the bench (KeyError: final_val_accuracy) after its run finished."""
+    import csv
+
+    r = work.cli("bench", TABULAR, "device=cpu", "epochs=1", "matrix={batch_size: [32, 64]}", "--out", work.path / "out")
+    assert r.exit_code == 0, r.output
+    children = [c for c in work.runs("tabular_regression") if c.data.tags.get("mpsrun.bench") == "child"]
+    assert len(children) == 2 and all(c.info.status == "FINISHED" for c in children)
+    assert "val r2" in r.stdout and "val acc" not in r.stdout
+    for c in children:  # every figure printed is a child's, from the store
+        assert f"{c.data.metrics['val_r2']:.4f}" in r.stdout
+    rows = list(csv.DictReader(open(work.path / "out" / "results.csv")))
+    assert [float(x["val_r2_median"]) > 0.5 for x in rows] == [True, True]
+    r = work.cli("compare", "tabular_regression")
+    assert r.exit_code == 0 and "val r2" in r.stdout, r.output
