@@ -2,7 +2,7 @@
 # Issue 13, item 10: does a cosine schedule + gradient clipping keep the fashion recipe's
 # steady epoch time within 10%? Side by side in one run, interleaved (A B A B ...), on CUDA.
 #   bash benchmarks/controls_gpu.sh          (markdown table: $OUT/controls.md, default ./gpu-out)
-# Env: REPEATS (default 3), EPOCHS (default 6), DATA (a folder holding FashionMNIST/raw;
+# Env: PARTS=1 (also each control alone), REPEATS (default 3), EPOCHS (default 6), DATA (a folder holding FashionMNIST/raw;
 # default: a synthetic 60,000/10,000 set in torchvision's format, same shapes and sizes).
 set -u
 [ -d .whl ] && . benchmarks/gpu_setup.sh
@@ -18,6 +18,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | t
 for i in $(seq 1 "$REPEATS"); do
   (cd "$WORK" && mpsrun run "$RECIPE" "${COMMON[@]}" tracking.run_name=baseline) 2>&1 | tail -2
   (cd "$WORK" && mpsrun run "$RECIPE" "${COMMON[@]}" "${CONTROLS[@]}" tracking.run_name=cosine+clip) 2>&1 | tail -2
+  if [ -n "${PARTS:-}" ]; then  # PARTS=1: each control alone too, to say which one costs
+    (cd "$WORK" && mpsrun run "$RECIPE" "${COMMON[@]}" "${CONTROLS[0]}" tracking.run_name=cosine) 2>&1 | tail -2
+    (cd "$WORK" && mpsrun run "$RECIPE" "${COMMON[@]}" "${CONTROLS[1]}" tracking.run_name=clip) 2>&1 | tail -2
+  fi
 done | tee "$OUT/controls_runs.log"
 EPOCHS=$EPOCHS python3 - "$OUT/controls.md" <<'EOF'
 import os, statistics, sys
@@ -40,7 +44,9 @@ lines = [
     "| run | steady epoch (s), median | vs baseline | first epoch (s) | graphs | val_accuracy | test_accuracy | notes |",
     "| --- | --- | --- | --- | --- | --- | --- | --- |",
 ]
-for name in ("baseline", "cosine+clip"):
+for name in ("baseline", "cosine", "clip", "cosine+clip"):
+    if name in ("cosine", "clip") and name not in rows:
+        continue
     if name not in rows:
         lines.append(f"| {name} | failed | | | | | | |")
         continue

@@ -195,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write the Markdown table here")
     ap.add_argument("--helpers", action="store_true", help="also time the digits run per MPSRUN_MLFLOW_HELPER mode")
     ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA commands even where CUDA is present")
+    ap.add_argument("--cuda-only", action="store_true", help="only the CUDA floor and the fashion run (a GPU machine's short round)")
     ap.add_argument("--fashion-root", help="folder holding FashionMNIST/raw (default: synthetic data in a temp folder)")
     ap.add_argument("--update-docs", action="store_true", help="put the table into docs/benchmarks.md's Start-up section")
     ap.add_argument("--provisional", action="store_true", help="mark the docs block provisional (a busy machine)")
@@ -212,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             root, how = fashion_root(a.fashion_root, work)
             notes.append(f"fashion data: {how}")
         cmds = commands(cuda, a.helpers, root)
+        if a.cuda_only:
+            cmds = [c for c in cmds if c.key in ("floor_cuda", "fashion")]
         log_path = a.log or (a.out.with_suffix(".log") if a.out else work / "wall.log")
         with open(log_path, "w") as log:
             print(f"warm-up round (creates the MLflow store, fills OS caches); log: {log_path}", file=sys.stderr)

@@ -109,7 +109,10 @@ def fake_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[
     """
     made: list[str] = []
 
-    def make(dist: str, module_source: str, models: dict[str, str] | None = None, datasets: dict[str, str] | None = None, version: str = "0.1") -> Path:
+    def make(
+        dist: str, module_source: str, models: dict[str, str] | None = None, datasets: dict[str, str] | None = None,
+        version: str = "0.1", callbacks: dict[str, str] | None = None,
+    ) -> Path:
         site = tmp_path / f"site_{dist}"
         site.mkdir()
         mod = f"{dist.replace('-', '_')}_mod"
@@ -118,7 +121,7 @@ def fake_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # type: ignore[
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
         eps = []
-        for group, items in (("mpsrun.models", models), ("mpsrun.datasets", datasets)):
+        for group, items in (("mpsrun.models", models), ("mpsrun.datasets", datasets), ("mpsrun.callbacks", callbacks)):
             if items:
                 eps.append(f"[{group}]")
                 eps += [f"{name} = {mod}:{attr}" for name, attr in items.items()]

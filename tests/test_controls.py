@@ -102,7 +102,9 @@ def test_early_stopping_ends_a_run_that_stopped_improving_finished_and_tagged(wo
     assert run.info.status == "FINISHED"
     assert run.data.tags["mpsrun.stopped_early"] == "2"
     assert len(work.history(run.info.run_id, "val_loss")) == 3
-    assert "stopped: early stopping at epoch 2" in r.stdout
+    # counted as the screen counts epochs (from 1), with the tag's MLflow step beside
+    assert "stopped: early stopping after epoch 3 of 10 (MLflow step 2)" in " ".join(r.stdout.split())
+    assert "at epoch 1, MLflow step 0" in run.data.tags["mpsrun.stopped_early.reason"]
 
 
 def test_early_stopping_lets_an_improving_run_finish(work: Workdir) -> None:
@@ -161,6 +163,8 @@ def test_fashion_mnist_logs_test_loss_and_accuracy_on_the_official_test_set(work
     assert 0.0 <= m["test_accuracy"] <= 1.0 and m["test_loss"] > 0
     assert m["test_size"] == 128  # the t10k file
     assert run.data.params["data.train_size"] == "576" and run.data.params["data.val_size"] == "64"  # 10% held out of 640
+    # and on screen, the figures MLflow holds
+    assert f"test: test_loss {m['test_loss']:.4g}  test_accuracy {m['test_accuracy']:.4g}  (128 samples)" in r.stdout
 
 
 def test_val_on_test_is_said_and_leaves_no_test_split(work: Workdir, fashion_root: Path) -> None:

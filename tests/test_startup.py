@@ -269,6 +269,20 @@ def _record(work, run) -> dict:  # type: ignore[no-untyped-def]
     }
 
 
+def _model_files(work, run) -> dict:  # type: ignore[no-untyped-def]
+    """The logged model's MLmodel (less what differs between any two models) and its files' names."""
+    import mlflow
+    from mlflow.models import Model
+
+    mlflow.set_tracking_uri(work.uri)
+    local = Path(mlflow.artifacts.download_artifacts(f"runs:/{run.info.run_id}/model", dst_path=str(work.path / run.info.run_id)))
+    m = Model.load(str(local)).to_dict()
+    for k in ("run_id", "utc_time_created", "model_uuid", "model_id", "artifact_path", "model_size_bytes"):
+        m.pop(k, None)
+    files = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
+    return {"MLmodel": m, "files": files, "requirements": (local / "requirements.txt").read_text()}
+
+
 @pytest.fixture
 def baseline(work):  # type: ignore[no-untyped-def]
     """The run as the in-process Tracker records it (the path every run took before this change)."""
@@ -281,13 +295,14 @@ def baseline(work):  # type: ignore[no-untyped-def]
     return p, _record(work, run)
 
 
-@pytest.mark.parametrize("mode", ["process", "thread"])
+@pytest.mark.parametrize("mode", ["auto", "thread"])
 def test_background_tracker_keeps_every_record(work, baseline, mode: str) -> None:  # type: ignore[no-untyped-def]
     recipe, before = baseline
-    if mode == "process":  # the real console path in a fresh interpreter
-        out, text = probe(["run", str(recipe), "-q"], work.path, env={"MPSRUN_MLFLOW_HELPER": mode})
+    if mode in ("process", "auto"):  # the real console path in a fresh interpreter
+        out, text = probe(["run", str(recipe), "-q"], work.path, env={"MPSRUN_MLFLOW_HELPER": mode, "MPSRUN_HELPER_TRACE": str(work.path / "helper_trace.txt")})
         assert out["code"] == 0, text
-        assert "sklearn" not in out["heavy"] and "torchvision" not in out["heavy"], text
+        # the training process never imports MLflow, matplotlib or scikit-learn: the helper does the MLflow work
+        assert set(out["heavy"]) == {"torch"}, text
     else:
         os.environ["MPSRUN_MLFLOW_HELPER"] = mode
         try:
@@ -308,10 +323,11 @@ def test_background_tracker_keeps_every_record(work, baseline, mode: str) -> Non
     assert set(after["tags"]) - set(before["tags"]) == ADDED_TAGS and set(before["tags"]) <= set(after["tags"])
     differ = sorted(k for k in before["tags"] if k not in VARIES and after["tags"][k] != before["tags"][k])
     assert differ == [], [(k, before["tags"][k], after["tags"][k]) for k in differ]
-    # process mode falls back to the thread, and says so in the tag (see background.choose_mode)
-    assert after["tags"]["mpsrun.mlflow_helper"].startswith("thread")
-    if mode == "process":
-        assert "MPSRUN_MLFLOW_HELPER=process is not available yet" in after["tags"]["mpsrun.mlflow_helper"]
+    assert after["tags"]["mpsrun.mlflow_helper"] == {"auto": "process (auto)", "process": "process (MPSRUN_MLFLOW_HELPER=process)", "thread": "thread (MPSRUN_MLFLOW_HELPER=thread)"}[mode]
+    if mode == "auto":  # the model: exported by the training process, written by the helper without torch
+        assert _model_files(work, runs[1]) == _model_files(work, runs[0])
+        text = (work.path / "helper_trace.txt").read_text()
+        assert "torch imported: False" in text, text
     # the same training: the data, split and weights did not change with the readers
     assert after["metrics"]["val_accuracy"] == before["metrics"]["val_accuracy"]
     c = work.client()
@@ -349,3 +365,26 @@ def test_bad_input_while_preparing_leaves_no_run_in_process_mode(work) -> None: 
         del os.environ["MPSRUN_MLFLOW_HELPER"]
     assert r.exit_code == 2 and "FashionMNIST files not found" in r.stderr
     assert work.runs("startup") == []
+
+
+def test_helper_that_dies_mid_run_loses_no_metric_and_the_run_goes_on(work) -> None:  # type: ignore[no-untyped-def]
+    """The helper is killed between epochs: the store is opened in this process, the same run goes
+    on, every metric handed over before is written (once), and the tag says what happened."""
+    from mpsrun.track import background
+
+    t = background.start(work.uri, "dies", mode="process")
+    info = t.start("r", {"x": "1"})
+    t.log_metrics({"loss": 1.0}, step=0)
+    t.log_metrics({"loss": 0.5}, step=1)
+    assert t._remote is not None
+    t._remote.proc.kill()
+    t._remote.proc.wait()
+    t.log_metrics({"loss": 0.25}, step=2)  # finds the helper gone: takes over
+    t.set_tags({"after": "yes"})
+    t.finish("FINISHED")
+    c = work.client()
+    run = c.get_run(info.run_id)
+    assert run.info.status == "FINISHED"
+    assert [(m.step, m.value) for m in c.get_metric_history(info.run_id, "loss")] == [(0, 1.0), (1, 0.5), (2, 0.25)]
+    assert run.data.tags["after"] == "yes" and run.data.tags["x"] == "1"
+    assert "helper died" in run.data.tags["mpsrun.mlflow_helper"]

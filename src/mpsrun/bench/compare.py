@@ -161,6 +161,13 @@ class Table:
     def failed(self) -> int:
         return sum(1 for r in self.rows if r.status != "ok")
 
+    @property
+    def quality(self) -> tuple[str, str]:
+        """(header, metric): val accuracy, or for a regression bench (no accuracy logged) its val R^2."""
+        runs = [c for r in self.rows for c in r.ok_runs]
+        regression = runs and not any(ACCURACY in c.metrics for c in runs) and any("val_r2" in c.metrics for c in runs)
+        return ("val r2", "val_r2") if regression else ("val acc", ACCURACY)
+
 
 def compute_speedups(rows: list[Row], baseline: str | None) -> None:
     """Throughput of each cell over that of the same cell on the baseline device."""
@@ -309,12 +316,12 @@ def columns(table: Table) -> tuple[list[str], list[list[str]]]:
     headers += ["train n", "runs", "epoch s (median)", "epoch s (min–max)", "samples/s"]
     if table.has_speedup:
         headers.append(f"speed-up vs {table.baseline}")
-    headers += ["val acc", "status"]
+    headers += [table.quality[0], "status"]
     body = []
     for r in table.rows:
         med, lo, hi = r.metric(EPOCH)
         sps = r.metric(THROUGHPUT)[0]
-        acc = r.metric(ACCURACY)[0]
+        acc = r.metric(table.quality[1])[0]
         dev = r.device + (f" (asked {r.requested})" if r.fell_back else "")
         line = [fmt_value(r.values[a]) if a in r.values else "—" for a in shown_axes] + [dev]
         if extras:
@@ -368,12 +375,12 @@ def to_csv(table: Table, path: Path) -> None:
     fields = ["cell", *table.axes, "device", "device_requested", "also_set", "train_size", "runs_ok", "runs",
               "steady_epoch_time_s_median", "steady_epoch_time_s_min", "steady_epoch_time_s_max",
               "train_samples_per_s_median", "train_samples_per_s_min", "train_samples_per_s_max",
-              f"speedup_vs_{base}", "first_epoch_time_s_median", "final_val_accuracy_median", "status", "run_ids"]
+              f"speedup_vs_{base}", "first_epoch_time_s_median", f"{table.quality[1]}_median", "status", "run_ids"]
     with open(path, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(fields)
         for r in table.rows:
-            e, s, f, a = r.metric(EPOCH), r.metric(THROUGHPUT), r.metric(FIRST), r.metric(ACCURACY)
+            e, s, f, a = r.metric(EPOCH), r.metric(THROUGHPUT), r.metric(FIRST), r.metric(table.quality[1])
             w.writerow(
                 [r.index, *[fmt_value(r.values[x]) if x in r.values else "" for x in table.axes], r.device, r.requested,
                  " ".join(f"{k}={fmt_value(v)}" for k, v in r.extras.items()), r.train_size if r.train_size is not None else "",
@@ -469,7 +476,7 @@ def render(table: Table, console: Console) -> None:
 
     headers, body = columns(table)
     t = RichTable(title=f"{table.experiment}: bench {table.parent_id}", caption=caption(table), caption_justify="left")
-    numeric = {"train n", "runs", "epoch s (median)", "epoch s (min–max)", "samples/s", "val acc"} | {h for h in headers if h.startswith("speed-up")}
+    numeric = {"train n", "runs", "epoch s (median)", "epoch s (min–max)", "samples/s", table.quality[0]} | {h for h in headers if h.startswith("speed-up")}
     for h in headers:
         t.add_column(h, justify="right" if h in numeric else "left", overflow="fold")
     for row in body:

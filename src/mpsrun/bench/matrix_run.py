@@ -25,6 +25,7 @@ from mpsrun.recipe.load import Resolved, flatten
 from mpsrun.track import store as tracking
 from mpsrun.train import runner
 from mpsrun.train.engine import Listener
+from mpsrun.train.progress import quality
 
 DEVICE_TYPES = ("cpu", "mps", "cuda")
 
@@ -230,7 +231,7 @@ def _run_cell(
         listener.on_cell_end(
             n, p.total, cell, repeat, True,
             f"steady epoch {s['steady_epoch_time_s']:.3f} s  {s['steady_train_samples_per_s']:,.0f} samples/s  "
-            f"val_acc {s['final_val_accuracy']:.4f}  on {setup.choice.device}",
+            f"{quality(summary.result.epochs[-1])}  on {setup.choice.device}",  # val_acc, or val_r2 and val_mae
         )
         del summary
     finally:

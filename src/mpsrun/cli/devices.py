@@ -79,13 +79,21 @@ def parity(
     tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow tracking URI; default as for `run`."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No line per step; only the summary."),
 ) -> None:
-    """Check that two devices compute the same training: loss, gradients, logits, weights. Exit 0 agree, 1 diverge."""
+    """Check that two devices compute the same training: loss, gradients, logits (a regression's predictions), weights. Exit 0 agree, 1 diverge.
+
+    Steps use the recipe's own loss for its task and its grad_clip.
+    """
     resolved = resolve_recipe(recipe, overrides)
     require_store(tracking_uri)
     from mpsrun.devices.parity import run as par
     from mpsrun.train import runner
 
+    outputs = "logits"  # "outputs" for a regression recipe: its probe compares predictions
+
     def line(rec: "par.StepRecord") -> None:
+        nonlocal outputs
+        if rec.argmax_agreement is None:
+            outputs = "outputs"
         if quiet:
             return
         d = rec.diffs
@@ -94,7 +102,7 @@ def parity(
             parts.append(f"loss {rec.loss[0]:.6f} vs {rec.loss[1]:.6f}  rel diff: loss {d['loss'].rel:.0e} grad {d['grad_norm'].rel:.0e}")
         else:
             parts.append("(initial weights)  rel diff:")
-        parts.append(f"logits {d['logits'].rel:.0e}")
+        parts.append(f"{outputs} {d['logits'].rel:.0e}")
         bad = rec.exceeded()
         parts.append(f"[red]OVER: {', '.join(bad)}[/]" if bad else "[green]ok[/]")
         console.print(" ".join(parts), highlight=False, soft_wrap=True)
@@ -117,7 +125,7 @@ def parity(
         table.add_column(col)
     for q, s in result.summary().items():
         first = "-" if s.first_step is None else str(s.first_step)
-        table.add_row(q, f"{s.max_abs:.3g}", f"{s.max_rel:.3g}", f"{s.max_noise:.3g}", f"{s.max_ratio:.3g}", first)
+        table.add_row(result.label(q), f"{s.max_abs:.3g}", f"{s.max_rel:.3g}", f"{s.max_noise:.3g}", f"{s.max_ratio:.3g}", first)
     console.print(table)
     noise = f"a {result.yardstick} replica against {result.devices[0]}" if result.tolerance.noise_factor else "off"
     console.print(

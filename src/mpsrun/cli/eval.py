@@ -21,7 +21,10 @@ def eval_(
         None, "--tracking-uri", help="MLflow tracking URI; default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlruns/mlflow.db."
     ),
 ) -> None:
-    """Evaluate a logged model on a dataset section and log the result as a new run linked to the model."""
+    """Evaluate a logged model on a dataset section and log the result as a new run linked to the model.
+
+    The training run's own loss and task metrics: eval_accuracy for classification; eval_mae, eval_rmse, eval_r2 (in the target's units) for regression.
+    """
     from mpsrun.train import eval_run
     from mpsrun.train.runner import InputError
 

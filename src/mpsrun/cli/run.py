@@ -53,7 +53,7 @@ def run(
 
         uri, artifact_root = store.resolve_uri(tracking_uri)
         try:
-            tracker = background.start(uri, resolved.recipe.tracking.experiment or resolved.path.stem, artifact_root)
+            tracker = background.start(uri, resolved.recipe.tracking.experiment or resolved.path.stem, artifact_root, device=resolved.recipe.device)
         except background.TrackingSetupError as e:
             raise bad_input(str(e)) from None
     from mpsrun.train import runner
@@ -117,6 +117,10 @@ def run(
         f"total {s['total_train_time_s']:.2f} s  peak memory {s['peak_memory_bytes'] / 2**20:.0f} MiB",
         highlight=False,
     )
+    test = {k: v for k, v in summary.test_metrics.items() if k != "test_size"}
+    if test:  # the held-out test split, evaluated once with the weights the run logs
+        n = int(summary.test_metrics.get("test_size", 0))
+        console.print("test: " + "  ".join(f"{k} {v:.4g}" for k, v in test.items()) + f"  ({n} samples)", highlight=False)
     console.print(f"MLflow: {summary.run.ui_hint()}  (browse: mpsrun ui)", highlight=False)
     if summary.model_uri:
         console.print(f"model: {summary.model_uri}  (evaluate: mpsrun eval {summary.run.run_id})", highlight=False)

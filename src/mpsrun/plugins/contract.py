@@ -62,23 +62,33 @@ class ImageTransform:
     resize: Optional[int] = None
     rgb: bool = False
 
-    # Per-device affine coefficients, built on the first call (outside any CUDA graph
-    # capture, which forbids host-to-device copies) and reused after.
+    # Per-device (and per batch rank) affine coefficients, built on the first call (outside
+    # any CUDA graph capture, which forbids host-to-device copies) and reused after.
     _affine: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def _coefficients(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = str(device)
+    def _coefficients(self, device: torch.device, ndim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shaped to broadcast over dimension 1 (channels) of a batch of `ndim` dimensions.
+
+        Not a fixed (1, C, 1, 1): a batch of 1-D samples (N, F), e.g. the synthetic dataset's
+        `shape: [8]` in uint8, would otherwise broadcast to (1, 1, N, F) and lose its batch axis.
+        """
+        key = (str(device), ndim)
         if key not in self._affine:
             mean = torch.tensor(self.mean if self.mean is not None else (0.0,))
             std = torch.tensor(self.std if self.std is not None else (1.0,))
-            a = (self.scale / std).view(1, -1, 1, 1)  # x * scale, then (x - mean) / std, as one affine
-            b = (-mean / std).view(1, -1, 1, 1)
+            view = (1, -1) + (1,) * max(ndim - 2, 0)
+            a = (self.scale / std).view(view)  # x * scale, then (x - mean) / std, as one affine
+            b = (-mean / std).view(view)
             self._affine[key] = (a.to(device), b.to(device))
         return self._affine[key]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        a, b = self._coefficients(x.device)
+        a, b = self._coefficients(x.device, x.dim())
         x = torch.addcmul(b, x.float(), a)
+        if x.dim() != 4:  # not images: scaling and normalising only
+            if self.resize is not None or self.rgb:
+                raise ValueError(f"ImageTransform: resize and rgb need image batches (N, C, H, W), got shape {tuple(x.shape)}")
+            return x
         if self.resize is not None and x.shape[-1] != self.resize:
             x = torch.nn.functional.interpolate(x, size=(self.resize, self.resize), mode="bilinear", align_corners=False)
         if self.rgb and x.shape[1] == 1:
@@ -86,6 +96,10 @@ class ImageTransform:
         return x
 
     def output_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if len(shape) != 3:  # not an image: scaling keeps the shape
+            if self.resize is not None or self.rgb:
+                raise ValueError(f"ImageTransform: resize and rgb need image samples (C, H, W), got shape {tuple(shape)}")
+            return tuple(shape)
         c, h, w = shape
         if self.resize is not None:
             h = w = self.resize

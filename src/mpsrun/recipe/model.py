@@ -86,18 +86,18 @@ class EarlyStoppingSection(BaseModel):
     """Stop when the monitored metric has not improved for `patience` epochs."""
 
     model_config = ConfigDict(extra="forbid")
-    monitor: str = "val_loss"
-    mode: Literal["min", "max"] = "min"
-    patience: int = Field(3, ge=1)
-    min_delta: float = Field(0.0, ge=0)
+    monitor: str = Field("val_loss", description="a metric every epoch logs: val_loss, val_accuracy, val_r2, val_mae, train_loss, ...")
+    mode: Literal["min", "max"] = Field("min", description="min: lower is better (losses, errors); max: higher is (accuracy, r2)")
+    patience: int = Field(3, ge=1, description="epochs without improvement before the run stops (FINISHED, tagged mpsrun.stopped_early)")
+    min_delta: float = Field(0.0, ge=0, description="a change must beat the best by more than this to count as an improvement")
 
 
 class GradClipSection(BaseModel):
     """Clip the gradients' global norm inside the step; the epoch's largest pre-clip norm is logged as grad_norm."""
 
     model_config = ConfigDict(extra="forbid")
-    max_norm: float = Field(..., gt=0)
-    norm_type: float = Field(2.0, gt=0)
+    max_norm: float = Field(..., gt=0, description="largest global gradient norm; larger gradients are scaled down to it")
+    norm_type: float = Field(2.0, gt=0, description="p of the p-norm (2: Euclidean)")
 
 
 def _matrix_key(key: str) -> str:

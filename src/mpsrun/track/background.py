@@ -15,18 +15,27 @@ process never imports mlflow at all; every Tracker call becomes a round trip ove
 a pipe (about a tenth of a millisecond, outside the step loop: per epoch at most).
 `benchmarks/wall.py --helpers` measures the three side by side.
 
-Mode: `MPSRUN_MLFLOW_HELPER=process|thread|inline|auto` (default auto: thread, because
-the run's record hooks in train/record.py use MLflow's client in the training process
-itself; in process mode they get a client of their own there, `c`). The mode
-is tagged on the run (`mpsrun.mlflow_helper`) and the time the main thread waited for
-set-up is logged (`mlflow_setup_wait_s`). A set-up failure is raised, with its
-original message, from the first call that needs the run: `TrackingSetupError`.
+Mode: `MPSRUN_MLFLOW_HELPER=process|thread|inline|auto` (default auto: process; thread
+on MPS, where the system-metrics monitor reads torch.mps memory of the training process
+itself). The run's record hooks (train/record.py -> track/hooks.py: dataset inputs,
+system metrics, figures, the logged model) run in the helper too, fed plain data and a
+file holding the trained model. The mode is tagged on the run (`mpsrun.mlflow_helper`)
+and the time the main thread waited for set-up is logged (`mlflow_setup_wait_s`). A
+set-up failure is raised, with its original message, from the first call that needs
+the run: `TrackingSetupError`.
+
+A helper that dies mid-run does not take the run with it: the first call that finds
+it gone opens the store in this process (a `store.Tracker`, as thread mode would),
+continues the same run and writes again every metric handed over so far (same step,
+same timestamp: MLflow keeps one copy of an identical metric), says so in a note
+(`mpsrun.mlflow_helper` gains "helper died ..."), and the run goes on.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import platform
 import struct
 import subprocess
 import sys
@@ -50,24 +59,22 @@ def choose_mode(requested: str | None = None) -> tuple[str, str]:
     raw = (requested or os.environ.get(ENV_MODE) or "auto").strip().lower()
     if raw not in MODES:
         raise TrackingSetupError(f"{ENV_MODE}={raw!r} is not one of {', '.join(MODES)}")
-    if raw == "process" and not requested:
-        # The training process itself reads tracker attributes a pipe cannot carry (the store's
-        # spool `outbox`, MLflow's client for the record hooks), so the helper cannot serve a
-        # run started by `mpsrun run` yet: said in the tag, never silent. `start(..., mode="process")`
-        # still runs it, for the tests and for the day those move into the helper.
-        return "thread", f"{ENV_MODE}=process is not available yet (the run uses MLflow's client in this process); thread instead"
     if raw != "auto":
         return raw, f"{ENV_MODE}={raw}" if not requested else "requested"
-    # The run's record hooks (train/record.py: dataset inputs, system metrics, figures, the
-    # logged model) use MLflow's client in this process right after the run starts, so mlflow
-    # is imported here anyway: a thread that warms it (import, store checks) while torch
-    # imports is what pays. A helper process pays only where those hooks move to it.
-    return "thread", "auto"
+    return "process", "auto"
 
 
-def start(uri: str, experiment: str, artifact_root: str | None = None, mode: str | None = None) -> "BackgroundTracker":
-    """Begin MLflow set-up now (import, client, store checks, experiment look-up); returns at once."""
-    return BackgroundTracker(uri, experiment, artifact_root, mode)
+def may_run_on_mps(device: str | None) -> bool:
+    """Whether a recipe's `device` can end up on MPS here (known before torch is imported)."""
+    return platform.system() == "Darwin" and (device or "auto").split(":")[0] in ("mps", "auto")
+
+
+def start(uri: str, experiment: str, artifact_root: str | None = None, mode: str | None = None, device: str | None = None) -> "BackgroundTracker":
+    """Begin MLflow set-up now (import, client, store checks, experiment look-up); returns at once.
+
+    `device`: the recipe's; auto mode keeps the tracker in this process where it may be MPS.
+    """
+    return BackgroundTracker(uri, experiment, artifact_root, mode, device)
 
 
 class BackgroundTracker:
@@ -77,9 +84,11 @@ class BackgroundTracker:
     found while preparing (exit 2) leaves no run and no experiment behind (`close()`).
     """
 
-    def __init__(self, uri: str, experiment: str, artifact_root: str | None = None, mode: str | None = None) -> None:
+    def __init__(self, uri: str, experiment: str, artifact_root: str | None = None, mode: str | None = None, device: str | None = None) -> None:
         self.uri, self.experiment, self.artifact_root = uri, experiment, artifact_root
         self.mode, self.mode_reason = choose_mode(mode)
+        if self.mode == "process" and self.mode_reason == "auto" and may_run_on_mps(device):
+            self.mode, self.mode_reason = "thread", "auto: on MPS the system metrics read torch.mps memory of the training process"
         self.setup_wait_s = 0.0  # time the caller waited for set-up at `start`
         self._t0 = time.perf_counter()
         self._tracker: store.Tracker | None = None
@@ -89,6 +98,9 @@ class BackgroundTracker:
         self._handoff_s = 0.0
         self._final: dict[str, Any] | None = None
         self._client: Any = None
+        self._run_id: str | None = None
+        self._journal: list[tuple[dict[str, float], int | None, int]] = []  # metrics handed to the helper, for a helper that dies
+        self._tags: dict[str, str] = {}
         if self.mode == "thread":
             self._thread = threading.Thread(target=self._warm, name="mpsrun-mlflow-setup", daemon=True)
             self._thread.start()
@@ -120,9 +132,36 @@ class BackgroundTracker:
             self.setup_wait_s += time.perf_counter() - t
         return self._tracker
 
+    # -- the helper process, and what happens when it is gone
+    def _call(self, method: str, *args: Any) -> Any:
+        """One call: in the helper while it lives, else on the in-process Tracker that replaced it."""
+        if self._remote is not None:
+            try:
+                return self._remote.call(method, *args)
+            except _HelperGone as e:
+                self._take_over(e)
+        return getattr(self._need(), method)(*args)
+
+    def _take_over(self, why: BaseException) -> None:
+        """The helper died: open the store here, continue the same run, write every metric again."""
+        remote, self._remote = self._remote, None
+        if remote is not None:
+            remote.close(wait=False)
+        self.mode, self.mode_reason = "inline", f"process helper died ({why}); the store was opened in the training process"
+        tracker = self._ready()
+        assert tracker is not None
+        if self._run_id is None:
+            return
+        tracker.attach(self._run_id)
+        tracker.set_tags({**self._tags, "mpsrun.mlflow_helper": f"process (helper died: {why}); went on in the training process"})
+        for metrics, step, ts in self._journal:  # identical (key, value, step, timestamp): stored once
+            tracker.log_metrics(metrics, step, ts)
+        tracker.sync()
+
     # -- the Tracker surface the runner uses; anything else is forwarded by __getattr__
     def start(self, run_name: str | None, tags: dict[str, str], parent_run_id: str | None = None) -> store.RunInfo:
         tags = {**tags, "mpsrun.mlflow_helper": f"{self.mode} ({self.mode_reason})"}
+        self._tags = tags
         tracker = self._ready()
         if tracker is not None:
             return tracker.start(run_name, tags, parent_run_id)
@@ -130,50 +169,90 @@ class BackgroundTracker:
         t = time.perf_counter()
         try:
             info = self._remote.call("start", run_name, tags, parent_run_id)
+        except _HelperGone as e:  # died before the run began: set up here instead
+            self._take_over(e)
+            self._tags = tags = {**tags, "mpsrun.mlflow_helper": f"process (helper died before the run began: {e}); in the training process"}
+            return self._need().start(run_name, tags, parent_run_id)
         except _RemoteError as e:
             raise TrackingSetupError(f"MLflow set-up failed for {self.uri}: {e}") from None
         finally:
             self.setup_wait_s += time.perf_counter() - t
+        self._run_id = info.run_id
         return info
 
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+    @property
+    def run_id(self) -> str | None:
+        if self._remote is None and self._tracker is not None:
+            return self._tracker.run_id
+        return self._run_id
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None, timestamp_ms: int | None = None) -> None:
         if self._remote is None:
-            return self._need().log_metrics(metrics, step)
+            return self._need().log_metrics(metrics, step, timestamp_ms)
         t = time.perf_counter()
-        self._remote.call("log_metrics", {k: float(v) for k, v in metrics.items()}, step)
+        entry = ({k: float(v) for k, v in metrics.items()}, step, timestamp_ms or int(time.time() * 1000))
+        self._journal.append(entry)
+        self._call("log_metrics", *entry)
         self._handoff_s += time.perf_counter() - t
 
     @property
     def handoff_time_s(self) -> float:
         """Time the training thread spent handing metrics over (the pipe round trip, in process mode)."""
-        if self._remote is None:
+        if self._remote is None and self._run_id is None:
             return self._need().handoff_time_s
-        return self._handoff_s
+        return self._handoff_s + (self._tracker.handoff_time_s if self._tracker is not None else 0.0)
+
+    def hook(self, name: str, *args: Any) -> Any:
+        """A record hook (`track.hooks`): in the helper, a model handed over as a file (torch.save)."""
+        if self._remote is None:
+            return self._need().hook(name, *args)
+        if name != "log_model":
+            return self._call("hook", name, *args)
+        import tempfile
+
+        import torch
+
+        from mpsrun.track import model_log
+
+        served, example, rest = args[0], args[1], args[2:]
+        with tempfile.TemporaryDirectory(prefix="mpsrun-model-") as d:
+            try:  # exported here, where torch._dynamo is loaded; the helper writes the MLflow model around the file
+                pt2, outputs = model_log.export_pt2(served, example, d)
+            except Exception:  # noqa: BLE001 - torch.export cannot trace it: the helper tries again, then pickles (with a note)
+                path = str(Path(d) / "served.pt")
+                torch.save(served, path)
+                return self._call("hook", name, path, example, *rest)
+            return self._call("hook", "log_exported", pt2, example, outputs, str(torch.__version__), *rest)
 
     def log_state_dict(self, state: dict[str, Any], name: str = "model.pt") -> None:
         if self._remote is None:
             return self._need().log_state_dict(state, name)
         import tempfile
 
-        import torch  # tensors are saved here: the helper never imports torch
+        import torch
 
         with tempfile.TemporaryDirectory() as d:
             p = Path(d) / name
             torch.save({k: v.detach().cpu() for k, v in state.items()}, p)
-            self._remote.call("log_file", str(p), None)
+            self._call("log_file", str(p), None)
 
     def finish(self, status: str, error: BaseException | None = None) -> None:
         if self._remote is None:
             self._need().finish(status, error)
             return
         if error is None:
-            self._remote.call("finish_text", status)
+            self._call("finish_text", status)
         else:
             import traceback
 
             tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-            self._remote.call("finish_text", status, f"{type(error).__name__}: {error}", tb)
-        self._final = self._remote.values()  # log_time_s and friends stay readable after the helper ends
+            self._call("finish_text", status, f"{type(error).__name__}: {error}", tb)
+        if self._remote is None:  # the helper died on the way: finished here
+            return
+        try:
+            self._final = self._remote.values()  # log_time_s and friends stay readable after the helper ends
+        except _RemoteError:
+            self._final = {}
         # finish_text has answered, so the run is written and marked; the helper's own exit
         # (tearing down mlflow and SQLAlchemy) need not hold up this process's.
         self.close(wait=False)
@@ -197,13 +276,20 @@ class BackgroundTracker:
             raise AttributeError(name)
         if self._remote is None:
             return getattr(self._need(), name)
-        if name == "c":  # MLflow's client, for code that calls it directly (train/record.py): one of this process's own
+        if name == "c":  # MLflow's client, for code that calls it directly: one of this process's own (imports mlflow)
             if self._client is None:
                 self._client = store.client(self.uri)
             return self._client
         if self._final is not None and name in self._final:
             return self._final[name]
-        return self._remote.attribute(name)
+        try:
+            kind = self._remote.kind(name)
+        except _HelperGone as e:
+            self._take_over(e)
+            return getattr(self._need(), name)
+        if kind[0]:
+            return lambda *a: self._call(name, *a)
+        return kind[1]
 
 
 # ----------------------------------------------------------------------------- the helper process's pipe
@@ -218,6 +304,10 @@ class _RemoteError(Exception):
     def __init__(self, type_name: str, message: str, tb: str) -> None:
         super().__init__(f"{type_name}: {message}")
         self.type_name, self.remote_traceback = type_name, tb
+
+
+class _HelperGone(_RemoteError):
+    """The helper process ended (or its pipe broke): nothing it answers any more."""
 
 
 def send(stream: BinaryIO, obj: Any) -> None:
@@ -251,14 +341,14 @@ class _Remote:
     def call(self, method: str, *args: Any) -> Any:
         return self._request(("call", method, args))
 
-    def attribute(self, name: str) -> Any:
+    def kind(self, name: str) -> tuple[bool, Any]:
+        """(True, None) for a method of the helper's Tracker, else (False, the attribute's value)."""
         if self._kinds.get(name):
-            return lambda *a: self.call(name, *a)
+            return True, None
         is_method, value = self._request(("get", name))
         if is_method:
             self._kinds[name] = True
-            return lambda *a: self.call(name, *a)
-        return value
+        return is_method, value
 
     def values(self) -> dict[str, Any]:
         """The helper's Tracker's plain attributes (numbers, strings), read once before it ends."""
@@ -266,14 +356,18 @@ class _Remote:
 
     def _request(self, msg: tuple) -> Any:
         with self._lock:
-            if self.proc.poll() is not None and self.proc.stdin is not None and self.proc.stdin.closed:
+            if self.proc.stdin is None or self.proc.stdin.closed:
                 raise _RemoteError("RuntimeError", "the MLflow helper process has been closed", "")
             try:
                 send(self.proc.stdin, msg)  # type: ignore[arg-type]
                 ok, value = receive(self.proc.stdout)  # type: ignore[arg-type]
             except (EOFError, BrokenPipeError, OSError) as e:
-                code = self.proc.wait()
-                raise _RemoteError("RuntimeError", f"the MLflow helper process ended (exit {code}): {e}", "") from None
+                try:
+                    code: Any = self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    code = "killed: its pipe broke"
+                raise _HelperGone("RuntimeError", f"the MLflow helper process ended (exit {code}): {type(e).__name__}", "") from None
         if not ok:
             raise _RemoteError(*value)
         return value

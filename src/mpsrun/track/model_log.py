@@ -86,6 +86,25 @@ def served_copy(model: nn.Module, transform: Optional[Callable[[torch.Tensor], t
     return ServedModel(net, _fresh_transform(transform)).eval()
 
 
+def export_pt2(served: ServedModel, example: np.ndarray, folder: str | Path) -> tuple[str, np.ndarray]:
+    """`torch.export` the served module on `example` (batch dimension dynamic, as MLflow's pt2 does)
+    into `folder/model.pt2`; returns the file and the example's outputs (for the signature).
+
+    Run in the training process, which has torch._dynamo loaded already, so that the MLflow
+    helper need not import torch at all (track/model_pt2.py writes the MLflow model around it).
+    """
+    from torch.export import Dim
+
+    x = torch.from_numpy(np.ascontiguousarray(example))
+    with torch.no_grad():
+        y = served(x)
+    dynamic = [{0: Dim.AUTO}] if hasattr(Dim, "AUTO") else [{0: Dim("dim_0")} if x.shape[0] > 1 else None]
+    program = torch.export.export(served, (x,), dynamic_shapes=dynamic)
+    path = Path(folder) / "model.pt2"
+    torch.export.save(program, str(path))
+    return str(path), y.detach().float().numpy() if y.dtype not in (torch.float32, torch.float64) else y.detach().numpy()
+
+
 def log_model(
     uri: str,
     experiment_id: str,
@@ -104,14 +123,32 @@ def log_model(
     `step` is the last epoch: MLflow links the run's metrics at that step (the final
     epoch's losses and accuracy) to the LoggedModel.
     """
+    t0 = time.perf_counter()
+    res = log_served(uri, experiment_id, run_id, served_copy(model, transform), example, distributions, info, metadata, register, step)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def log_served(
+    uri: str,
+    experiment_id: str,
+    run_id: str,
+    served: ServedModel,
+    example: Any,
+    distributions: dict[str, str],
+    info: dict[str, Any],
+    metadata: dict[str, Any],
+    register: str | None = None,
+    step: int = 0,
+) -> ModelLogResult:
+    """`log_model` for a `served_copy` made already (in the MLflow helper: made by the training process)."""
     import mlflow
     from mlflow.models import infer_signature
 
     t0 = time.perf_counter()
     mlflow.set_tracking_uri(uri)
     mlflow.set_experiment(experiment_id=experiment_id)  # the LoggedModel's experiment is the run's
-    served = served_copy(model, transform)
-    x = example.detach().to("cpu")
+    x = torch.as_tensor(example).detach().to("cpu")
     with torch.no_grad():
         y = served(x)
     x_np = x.numpy()

@@ -12,7 +12,7 @@ import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import unquote, urlparse
 
 from mpsrun.track import liveness
@@ -133,11 +133,21 @@ def _local_dir(artifact_uri: str) -> Path | None:
 class RunFiles:
     """A run's checkpoint files in its artifacts: atomic puts, deletes where the store allows, downloads."""
 
-    def __init__(self, uri: str, run_id: str) -> None:
-        self.c = client(uri)
+    def __init__(self, uri: str, run_id: str, artifact_uri: str | None = None, log_artifact: Callable[[str, str], None] | None = None) -> None:
+        """`artifact_uri` and `log_artifact(path, folder)` where the caller has them (the run's tracker,
+        perhaps in the MLflow helper process): then puts and deletes need no MLflow client here."""
+        self.uri = uri
         self.run_id = run_id
-        self.artifact_uri = self.c.get_run(run_id).info.artifact_uri
+        self._c: Any = None
+        self._log_artifact = log_artifact
+        self.artifact_uri = artifact_uri or self.c.get_run(run_id).info.artifact_uri
         self.local = _local_dir(self.artifact_uri)
+
+    @property
+    def c(self) -> Any:
+        if self._c is None:
+            self._c = client(self.uri)
+        return self._c
 
     def put(self, path: Path, name: str) -> None:
         if self.local is not None:
@@ -149,7 +159,10 @@ class RunFiles:
         else:
             if path.name != name:
                 raise ValueError(f"upload name {name} differs from the file's {path.name}")
-            self.c.log_artifact(self.run_id, str(path), CHECKPOINTS)
+            if self._log_artifact is not None:
+                self._log_artifact(str(path), CHECKPOINTS)
+            else:
+                self.c.log_artifact(self.run_id, str(path), CHECKPOINTS)
 
     def remove(self, name: str) -> bool:
         if self.local is None:

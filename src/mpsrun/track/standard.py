@@ -74,6 +74,10 @@ def note(model: str, dataset: str, device: str, epochs: int, summary: dict[str, 
     results = []
     if "final_val_accuracy" in summary:
         results.append(f"validation accuracy {summary['final_val_accuracy']:.4f}")
+    if "final_val_r2" in summary:  # regression: R^2 and the error in the target's own units
+        results.append(f"validation R^2 {summary['final_val_r2']:.4f}")
+    if "final_val_mae" in summary:
+        results.append(f"validation MAE {summary['final_val_mae']:.4g}")
     if "final_val_loss" in summary:
         results.append(f"validation loss {summary['final_val_loss']:.4g}")
     if "steady_epoch_time_s" in summary:

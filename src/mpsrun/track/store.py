@@ -102,6 +102,7 @@ class Tracker:
         with store_lock(uri):  # two new runs of a new experiment: one creates it
             self.experiment_id = ensure_experiment(self.c, experiment, artifact_root)
         self.run_id: str | None = None
+        self.artifact_uri: str | None = None  # the run's, once started: checkpoints go there
         self._pending: list[Any] = []
         self._lock = threading.Lock()
         self._io_lock = threading.Lock()  # one writer at a time, so `sync` returns only once all is written
@@ -120,6 +121,7 @@ class Tracker:
             tags["mlflow.parentRunId"] = parent_run_id
         run = self.c.create_run(self.experiment_id, run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
+        self.artifact_uri = run.info.artifact_uri
         self.outbox.bind(self.run_id)
         self._stop.clear()
         self._thread = threading.Thread(target=self._work, name="mpsrun-mlflow", daemon=True)
@@ -173,6 +175,7 @@ class Tracker:
     def attach(self, run_id: str) -> RunInfo:
         """Continue an existing run (`mpsrun resume`): mark it RUNNING again and start the metric writer."""
         self.c.update_run(run_id, status="RUNNING")
+        self.artifact_uri = self.c.get_run(run_id).info.artifact_uri
         self.run_id = run_id
         self.outbox.bind(run_id)
         self._stop.clear()
@@ -210,6 +213,16 @@ class Tracker:
                 f"when the store answers, replay them with: mpsrun sync --tracking-uri {self.uri}"
             )
 
+    def store_away(self) -> bool:
+        """Whether writes are waiting in the spool because the store cannot be reached."""
+        return self.outbox.pending()
+
+    def hook(self, name: str, *args: Any) -> Any:
+        """Run the record hook `track.hooks.NAME` with this tracker (see train/record.py)."""
+        from mpsrun.track import hooks
+
+        return getattr(hooks, name)(self, *args)
+
     # -- data
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -225,12 +238,15 @@ class Tracker:
         for chunk in _chunks(items, 100):
             self.outbox.send(lambda chunk=chunk: self.c.log_batch(self.run_id, tags=chunk), lambda sp, chunk=chunk: sp.batch(tags=chunk))
 
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        """Buffered: returns at once; written by the worker (or by `flush`)."""
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None, timestamp_ms: int | None = None) -> None:
+        """Buffered: returns at once; written by the worker (or by `flush`).
+
+        `timestamp_ms`: when they were measured (the MLflow helper gets them a moment later).
+        """
         from mlflow.entities import Metric
 
         t = time.perf_counter()
-        ts = int(time.time() * 1000)
+        ts = timestamp_ms if timestamp_ms is not None else int(time.time() * 1000)
         items = [Metric(k, float(v), ts, step or 0) for k, v in metrics.items()]
         with self._lock:
             self._pending.extend(items)

@@ -50,7 +50,8 @@ class Continuity:
         self.guard = NonFiniteGuard(recipe.on_nonfinite, note)
         main = distributed.is_main_process()  # checkpoints and liveness: rank 0 of a DDP job alone
         ck_config = recipe.checkpoint if main else recipe.checkpoint.model_copy(update={"every": 0})
-        files = RunFiles(tracker.uri, tracker.run_id) if ck_config.every > 0 else None
+        # The run's artifact folder and uploads through the tracker: no MLflow client in this process.
+        files = RunFiles(tracker.uri, tracker.run_id, getattr(tracker, "artifact_uri", None), tracker.log_file) if ck_config.every > 0 else None
         self.checkpointer = Checkpointer(
             ck_config,
             recipe.seed,
@@ -69,7 +70,7 @@ class Continuity:
         if resume is not None and main:
             start.update(self._resume_tags(resume))
         tracker.set_tags(start)
-        self.heartbeat = liveness.Heartbeat(tracker.c, tracker.run_id).start() if main else None
+        self.heartbeat = liveness.Heartbeat(_Tags(tracker), tracker.run_id).start() if main else None
 
     def _hyper(self, resume: ResumePoint | None) -> dict[str, Any]:
         """Optimizer arguments given as overrides to `mpsrun resume`, with their validated values."""
@@ -141,3 +142,13 @@ class Continuity:
         if self.heartbeat is not None:
             self.heartbeat.stop()
         self.checkpointer.close()
+
+
+class _Tags:
+    """`client.set_tag` for the heartbeat, through the run's tracker (which may live in the MLflow helper)."""
+
+    def __init__(self, tracker: Any) -> None:
+        self.tracker = tracker
+
+    def set_tag(self, run_id: str, key: str, value: str) -> None:
+        self.tracker.set_tags({key: value})

@@ -111,8 +111,8 @@ def build(recipe: Recipe, splits: DataSplits, model: nn.Module, optimizer: torch
     if recipe.scheduler is not None:
         steps = -(-len(plan.train) // recipe.accumulate)  # optimizer steps per epoch
         if options.graphs:
-            schedulers.tensor_lr(optimizer, device)
-            out.notes.append("scheduler: the learning rate is a device tensor the CUDA graphs read")
+            how = schedulers.tensor_lr(optimizer, device)
+            out.notes.append(f"scheduler: the learning rate is a device tensor the CUDA graphs read; {how}")
         try:
             sched, plateau = schedulers.build(recipe.scheduler, optimizer, steps)
         except schedulers.ScheduleError as e:
@@ -124,6 +124,9 @@ def build(recipe: Recipe, splits: DataSplits, model: nn.Module, optimizer: torch
             if plateau:
                 _check_monitor("scheduler.monitor", recipe.scheduler.monitor, objective)
             out.callbacks.append(schedulers.ScheduleCallback(sched, plateau, recipe.scheduler.monitor))
+    if clip is not None:
+        note = objective.attach(model, device, options.precision == "fp16", distributed.world_size())
+        out.notes.append(note)
     if recipe.early_stopping is not None:
         es = recipe.early_stopping
         _check_monitor("early_stopping.monitor", es.monitor, objective)

@@ -88,6 +88,7 @@ class TrainResult:
             ),
             "peak_memory_bytes": float(self.peak_memory_bytes),
             **({"final_val_accuracy": last.val_accuracy} if last.val_accuracy is not None else {}),
+            **{f"final_{k}": last.extra[k] for k in ("val_r2", "val_mae", "val_rmse") if k in last.extra},  # regression's headline
             "final_val_loss": last.val_loss,
         }
 

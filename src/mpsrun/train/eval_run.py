@@ -9,25 +9,26 @@ way a user outside mpsrun would load it, so eval also proves the logged model wo
 
 from __future__ import annotations
 
-import math
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from mpsrun.devices import resolve as devices
 from mpsrun.plugins import registry as plugins
 from mpsrun.plugins import resolve as resolve_recipe
+from mpsrun.plugins.components import METRICS
 from mpsrun.plugins.contract import DataSplits
 from mpsrun.track import eval_log, figures, standard
 from mpsrun.track import store as tracking
 from mpsrun.track.datasets import Split
 from mpsrun.train.data import raw_tensors
+from mpsrun.train.losses import build_loss
+from mpsrun.train.metrics import MetricSet, target_units
 from mpsrun.train.runner import InputError
 
 SPLITS = {"val": "validation", "test": "test", "train": "training"}
@@ -77,8 +78,24 @@ def _batches(ds: Any, batch_size: int) -> Any:
 
 
 @torch.no_grad()
-def measure(model: torch.nn.Module, ds: Any, batch_size: int, device: torch.device) -> tuple[dict[str, float], np.ndarray, np.ndarray]:
-    """Loss and the task's metric over `ds`; (metrics, targets, outputs)."""
+def measure(
+    model: torch.nn.Module,
+    ds: Any,
+    batch_size: int,
+    device: torch.device,
+    splits: DataSplits | None = None,
+    loss: dict[str, Any] | None = None,
+    extra_metrics: Sequence[str] = (),
+) -> tuple[dict[str, float], np.ndarray, np.ndarray]:
+    """Loss and the task's metrics over `ds`, as training computes them; (metrics, targets, outputs).
+
+    The task, the loss (the recipe's `loss:` section, {"name": ..., **kwargs}) and the
+    metrics are the training run's own (train/losses.py, train/metrics.py), so `eval_loss`
+    of the logged model on the same split equals the run's `val_loss` for those weights, and a
+    regression run reports `eval_mae`, `eval_rmse`, `eval_r2` in the target's own units (the
+    dataset's `target_std`), never an accuracy. Without `splits` the task is read from the data:
+    integer targets with one output per class are classification, anything else regression.
+    """
     model = model.to(device)
     try:
         model.eval()
@@ -90,16 +107,19 @@ def measure(model: torch.nn.Module, ds: Any, batch_size: int, device: torch.devi
         ys.append(y.to(device))
     out, y = torch.cat(outs), torch.cat(ys)
     n = int(y.shape[0])
-    if not torch.is_floating_point(y) and out.dim() == 2 and out.shape[1] > 1:
-        metrics = {
-            "eval_loss": F.cross_entropy(out, y, reduction="sum").item() / n,
-            "eval_accuracy": (out.argmax(dim=1) == y).sum().item() / n,
-        }
+    if splits is not None:
+        task = splits.task
     else:
-        pred = out.reshape(y.shape).float()
-        err = pred - y.float()
-        mse = (err**2).mean().item()
-        metrics = {"eval_loss": mse, "eval_mse": mse, "eval_rmse": math.sqrt(mse), "eval_mae": err.abs().mean().item()}
+        task = "classification" if not torch.is_floating_point(y) and out.dim() == 2 and out.shape[1] > 1 else "regression"
+    info = (splits.info if splits is not None else None) or {}
+    loss = dict(loss or {})
+    loss_fn = build_loss(loss.pop("name", None), loss, task, device)
+    num_classes = int(out.shape[1]) if task == "classification" and out.dim() == 2 else 0
+    num_outputs = 1 if task == "classification" or y.dim() == 1 else int(y[0].numel())
+    wanted = [m for m in extra_metrics if m in METRICS[task]]
+    metric_set = MetricSet(task, device, wanted, num_classes, num_outputs, info.get("target_mean"), info.get("target_std"))
+    metric_set.update(out, y)
+    metrics = {"eval_loss": float(loss_fn(out, y).item()), **metric_set.compute(n, prefix="eval_")}
     metrics["eval_samples"] = float(n)
     return metrics, y.cpu().numpy(), out.cpu().numpy()
 
@@ -132,12 +152,13 @@ def evaluate(target: str, overrides: list[str], tracking_uri: str | None = None,
         raise InputError(f"dataset '{recipe.dataset.name}' has no {split} split")
     model = eval_log.load(uri, t.model_uri)
     t0 = time.perf_counter()
-    metrics, y, out = measure(model, ds, recipe.batch_size, choice.device)
+    loss = {"name": recipe.loss.name, **recipe.loss.kwargs} if recipe.loss is not None else None
+    metrics, y, out = measure(model, ds, recipe.batch_size, choice.device, splits, loss, recipe.metrics)
     metrics["eval_time_s"] = time.perf_counter() - t0
     raw = raw_tensors(ds)
     features = raw[0] if raw is not None else torch.empty(0)
     name = standard.run_name(f"eval-{recipe.model.name}", recipe.dataset.name, str(choice.device))
-    shown = {k: v for k, v in metrics.items() if k in ("eval_accuracy", "eval_loss", "eval_mae")}
+    shown = {k: v for k, v in metrics.items() if k in ("eval_accuracy", "eval_loss", "eval_mae", "eval_r2")}
     tags = {
         "mpsrun.eval.model_uri": t.model_uri,
         "mpsrun.eval.source_run": t.run_id,
@@ -151,7 +172,8 @@ def evaluate(target: str, overrides: list[str], tracking_uri: str | None = None,
     title = f"eval of {t.model_uri} on {recipe.dataset.name} ({split})"
 
     def _figures(c_: Any, run_id: str) -> None:
-        figures.log_predictions(c_, run_id, y, out, title, split=SPLITS[split])
+        shown_y, shown_out = target_units(y, out, splits.info or {}) if splits.task == "regression" else (y, out)
+        figures.log_predictions(c_, run_id, shown_y, shown_out, title, split=SPLITS[split])
 
     run_id = eval_log.log(c, t, name, metrics, tags, recipe.dataset.name, Split(SPLITS[split], features, torch.as_tensor(y)), _figures)
     return EvalResult(run_id, t.experiment_id, t.model_uri, t.run_id, split, int(metrics["eval_samples"]), str(choice.device), metrics)

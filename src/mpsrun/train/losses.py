@@ -16,6 +16,19 @@ from mpsrun.plugins import components
 from mpsrun.plugins import registry
 
 DEFAULT = {"classification": "cross_entropy", "regression": "mse"}
+# torch.nn losses that only make sense for one task. The wrong pairing does not always crash:
+# cross_entropy on a regression's (N,) float targets reads them as class probabilities and
+# trains to a falling, meaningless loss; mse on int labels fails only at the first backward.
+# So it is bad input (exit 2, before any run), named with the losses that fit.
+ONLY_FOR = {
+    "cross_entropy": "classification",
+    "nll": "classification",
+    "multi_margin": "classification",
+    "mse": "regression",
+    "l1": "regression",
+    "huber": "regression",
+    "smooth_l1": "regression",
+}
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -30,9 +43,10 @@ class TaskLoss(nn.Module):
         self.name = name
 
     def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        out = out.float()
+        if out.dtype != torch.float64:  # fp16/bf16 outputs meet the loss in fp32; fp64 (parity's yardstick) stays
+            out = out.float()
         if self.task == "regression":
-            y = y.float()
+            y = y.to(out.dtype)
             if out.numel() == y.numel():
                 out = out.reshape(y.shape)  # (N, 1) vs (N,): mse would broadcast to (N, N)
         return self.inner(out, y)
@@ -41,6 +55,12 @@ class TaskLoss(nn.Module):
 def build_loss(name: str | None, kwargs: dict[str, Any], task: str, device: torch.device) -> TaskLoss:
     """The recipe's `loss:` (checked again here for plugin-produced recipes) or the task's default."""
     name = name or DEFAULT[task]
+    only = ONLY_FOR.get(name.lower())
+    if only is not None and only != task:
+        fits = ", ".join(k for k, t in ONLY_FOR.items() if t == task)
+        raise registry.PluginError(
+            f"loss '{name}' is a {only} loss, but this dataset's task is {task}; {task} losses: {fits} (or bce_with_logits, or an mpsrun.losses plugin)"
+        )
     factory = components.loss_factory(name)
     checked, errs = registry.validate_kwargs(factory, kwargs)
     if errs:

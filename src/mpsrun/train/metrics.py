@@ -19,9 +19,12 @@ R^2 is invariant to that scaling; with several outputs each is averaged uniforml
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 DEFAULTS = {"classification": ("accuracy",), "regression": ("mae", "rmse", "r2")}
 
@@ -113,3 +116,19 @@ def _per_output(v: Sequence[float] | float | None, k: int, default: float) -> li
 
 def _mean(v: list[float]) -> float:
     return sum(v) / len(v)
+
+
+def target_units(y: np.ndarray, out: np.ndarray, info: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Regression targets and predictions back in the target's own units, for the figures.
+
+    The logged model predicts the standardised target it was trained on; the dataset's
+    `target_mean`/`target_std` (also in the run's data_info.json) undo that.
+    """
+    import numpy as np
+
+    mean, std = info.get("target_mean"), info.get("target_std")
+    if mean is None or std is None:
+        return y, out
+    m, s = np.asarray(mean, dtype=np.float64), np.asarray(std, dtype=np.float64)
+    pred = out.astype(np.float64).reshape(y.shape)
+    return y.astype(np.float64) * s + m, pred * s + m

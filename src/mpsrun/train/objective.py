@@ -14,11 +14,12 @@ that does not divide evenly) is weighted by its own sample count.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
+from mpsrun.train.clipping import FastClip, usable
 from mpsrun.train.losses import TaskLoss
 from mpsrun.train.metrics import MetricSet
 
@@ -33,6 +34,21 @@ class Objective:
     accumulate: int = 1
     grad_norm: torch.Tensor | None = None  # the epoch's largest pre-clip norm, on the device
     after_step: list[Callable[[], None]] = field(default_factory=list)  # per optimizer step, eager only (a per-step LR schedule)
+    clipper: FastClip | None = None  # the two-kernel clip (train/clipping.py), where exact
+
+    def attach(self, model: nn.Module, device: torch.device, fp16_scaler: bool, world_size: int, kernels: Any = None) -> str:
+        """Choose how to clip (one Triton kernel + one multiply where exact, torch's clip elsewhere) and say which, for the run's notes.
+
+        `kernels` replaces the Triton kernels (the tests pass clipping.TorchKernels to
+        check the arithmetic on a machine without a GPU).
+        """
+        if self.max_norm is None or self.clipper is not None:
+            return ""
+        why = None if kernels is not None else usable(model, device, self.norm_type, fp16_scaler, world_size)
+        if why is not None:
+            return f"grad_clip: torch.nn.utils.clip_grad_norm_ ({why})"
+        self.clipper = FastClip(model, self.max_norm, device, kernels)
+        return "grad_clip: global norm in one Triton kernel, then one foreach multiply"
 
     @classmethod
     def default(cls, device: torch.device) -> "Objective":
@@ -41,11 +57,16 @@ class Objective:
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         extra = (self.grad_norm,) if self.grad_norm is not None else ()
+        if self.clipper is not None:
+            extra = (*extra, self.clipper.peak)
         return (*self.metrics.tensors(), *extra)
 
     def clip(self, model: nn.Module) -> None:
         """Clip the global gradient norm in place (foreach kernels where the device has them); keep the max."""
         if self.max_norm is None:
+            return
+        if self.clipper is not None:
+            self.clipper.clip()
             return
         total = torch.nn.utils.clip_grad_norm_(model.parameters(), self.max_norm, norm_type=self.norm_type)
         assert self.grad_norm is not None
@@ -55,6 +76,8 @@ class Objective:
         """The training-side figures of an epoch (read once, at its end) and reset for the next."""
         if self.grad_norm is None:
             return {}
+        if self.clipper is not None:
+            return {"grad_norm": self.clipper.read_peak()}
         value = self.grad_norm.item()
         self.grad_norm.zero_()
         return {"grad_norm": value}

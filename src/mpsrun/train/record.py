@@ -6,8 +6,11 @@ callbacks (learning curves refreshed every few epochs on long runs) and `end` on
 training is over (figures, the description, the logged and registered model).
 `stop` always runs, so the system-metrics thread never outlives the run.
 
-This module only gathers what the training objects know (tensors, plugin names);
-every MLflow call lives in `mpsrun.track`.
+This module only gathers what the training objects know (tensors, plugin names,
+the epoch history, the validation outputs, a CPU copy of the model) and hands it,
+as plain data, to `tracker.hook(...)` (`track/hooks.py`): every MLflow call lives in
+`mpsrun.track`, and with the MLflow helper process (the default for `mpsrun run`)
+it runs there, so this process imports neither mlflow nor matplotlib.
 """
 
 from __future__ import annotations
@@ -16,15 +19,14 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from mpsrun.plugins import registry as plugins
 from mpsrun.track import datasets as track_datasets
-from mpsrun.track import figures, model_log, standard
-from mpsrun.track.system import SystemMetrics
+from mpsrun.track import hooks, model_log, standard
 from mpsrun.train.callbacks import Callback, RunState
 from mpsrun.train.data import raw_tensors
 
@@ -42,7 +44,7 @@ MAX_PREDICT = 100_000  # validation samples the end-of-run figures look at
 class Recorder:
     tracker: "Tracker"
     setup: "Setup"
-    system: SystemMetrics | None = None
+    system: bool = False  # the system-metrics monitor runs (beside the tracker: `hooks.stop_system`)
     notes: list[str] = field(default_factory=list)  # fallbacks and skips: printed and tagged by the runner
     timings: dict[str, float] = field(default_factory=dict)  # mpsrun/... bookkeeping metrics
     model: model_log.ModelLogResult | None = None
@@ -68,7 +70,7 @@ def _splits(setup: "Setup") -> tuple[list[track_datasets.Split], list[str]]:
         if t is None:
             skipped.append(context)
         else:
-            out.append(track_datasets.Split(context, t[0], t[1]))
+            out.append(track_datasets.Split(context, _host(t[0]), _host(t[1])))
     return out, skipped
 
 
@@ -90,29 +92,33 @@ def _plugin(kind: str, name: str) -> plugins.PluginRef | None:
         return None
 
 
+def _host(a: Any) -> np.ndarray:
+    return a.detach().to("cpu").numpy() if torch.is_tensor(a) else np.asarray(a)
+
+
+def hook(tracker: Any, name: str, *args: Any) -> Any:
+    """Run a `track.hooks` function beside the tracker: in its helper process where it has one."""
+    if hasattr(type(tracker), "hook") or hasattr(tracker, "_remote"):
+        return tracker.hook(name, *args)
+    return getattr(hooks, name)(tracker, *args)  # a bare stand-in with `.c` and `.run_id` (tests)
+
+
 def begin(tracker: "Tracker", setup: "Setup", system_metrics: bool = True) -> Recorder:
     """Experiment kind, standard tags, dataset inputs, and the system-metrics monitor."""
     rec = Recorder(tracker, setup)
     r = setup.resolved.recipe
-    c, run_id = tracker.c, tracker.run_id
-    assert run_id is not None
-    standard.mark_experiment(c, tracker.experiment_id)
-    tracker.set_tags(standard.source_tags(setup.resolved.path))
-    t0 = time.perf_counter()
+    assert tracker.run_id is not None
     splits, skipped = _splits(setup)
     ref = _plugin("dataset", r.dataset.name)
     tags = {"mpsrun.plugin": f"{ref.distribution} {ref.version} ({ref.value})" if ref else r.dataset.name,
             "mpsrun.arguments": json.dumps(r.dataset.kwargs, default=str)}
-    try:
-        track_datasets.log_datasets(c, run_id, r.dataset.name, splits, _source_path(setup), tags)
-    except Exception as e:  # the run goes on; the gap is said and tagged
-        rec.notes.append(f"datasets: not logged as MLflow inputs ({type(e).__name__}: {e})")
+    out = hook(tracker, "begin", str(setup.resolved.path), r.dataset.name, splits, _source_path(setup), tags,
+               system_metrics, setup.choice.device.type)
+    rec.notes += out["notes"]
     for context in skipped:
         rec.notes.append(f"datasets: the {context} split is not a TensorDataset; not logged as an MLflow dataset input")
-    rec.timings["datasets_log_time_s"] = time.perf_counter() - t0
-    if system_metrics:
-        rec.system = SystemMetrics(tracker.uri, run_id, setup.choice.device.type).start()
-        rec.notes += rec.system.notes
+    rec.timings.update(out["timings"])
+    rec.system = system_metrics
     return rec
 
 
@@ -126,7 +132,7 @@ class _Curves(Callback):
         done = epoch + 1
         if run.epochs > FIGURE_EVERY and done % FIGURE_EVERY == 0 and done < run.epochs:
             try:
-                figures.log_learning_curves(self.rec.tracker.c, self.rec.tracker.run_id, run.history, _title(self.rec.setup, self.rec.tracker) + f", epoch {done}/{run.epochs}")
+                hook(self.rec.tracker, "curves", list(run.history), _title(self.rec.setup, self.rec.tracker) + f", epoch {done}/{run.epochs}")
             except Exception as e:
                 self.rec.notes.append(f"figures: learning curves not refreshed at epoch {done} ({type(e).__name__}: {e})")
 
@@ -173,15 +179,13 @@ def end(rec: Recorder, result: "TrainResult") -> None:
     """Figures, the run's description, and the model (logged, and registered when asked)."""
     setup, tracker = rec.setup, rec.tracker
     r = setup.resolved.recipe
-    c, run_id = tracker.c, tracker.run_id
     t0 = time.perf_counter()
     title = _title(setup, tracker)
     try:
-        figures.log_learning_curves(c, run_id, [e.metrics() for e in result.epochs], title)
-        y_true, outputs = predict_val(setup)
-        figures.log_predictions(c, run_id, y_true, outputs, title, _classes(setup))
-    except Exception as e:
-        rec.notes.append(f"figures: not logged ({type(e).__name__}: {e})")
+        predictions: Any = predict_val(setup)
+    except Exception as e:  # the learning curves are still drawn
+        predictions = f"{type(e).__name__}: {e}"
+    rec.notes += hook(tracker, "end_figures", [e.metrics() for e in result.epochs], title, predictions, _classes(setup))
     rec.timings["figures_time_s"] = time.perf_counter() - t0
     summary = result.summary()
     tracker.set_tags({"mlflow.note.content": standard.note(r.model.name, r.dataset.name, str(setup.choice.device), len(result.epochs), summary, result.stop_reason)})
@@ -201,19 +205,11 @@ def end(rec: Recorder, result: "TrainResult") -> None:
         "trained_on": str(setup.choice.device),
         "input": "raw samples as the dataset yields them; the model applies the dataset's transform",
     }
-    rec.model = model_log.log_model(
-        tracker.uri,
-        tracker.experiment_id,
-        run_id,  # type: ignore[arg-type]
-        setup.model,
-        setup.plan.transform,
-        _example(setup),
-        dists,
-        dict(setup.splits.info),
-        meta,
-        register=r.tracking.register,
-        step=result.epochs[-1].epoch if result.epochs else 0,
-    )
+    t0 = time.perf_counter()
+    served = model_log.served_copy(setup.model, setup.plan.transform)
+    out = hook(tracker, "log_model", served, _host(_example(setup)), dists, dict(setup.splits.info), meta,
+               r.tracking.register, result.epochs[-1].epoch if result.epochs else 0)
+    rec.model = model_log.ModelLogResult(out["model_uri"], out["model_id"], time.perf_counter() - t0, out["registered"], out["notes"])
     rec.timings["log_model_time_s"] = rec.model.seconds
     rec.notes += rec.model.notes
     tags = {"mpsrun.model_uri": rec.model.model_uri}
@@ -226,9 +222,9 @@ def end(rec: Recorder, result: "TrainResult") -> None:
 
 def stop(rec: Recorder | None) -> None:
     """Stop the system-metrics monitor and write its last samples (safe to call twice)."""
-    if rec is not None and rec.system is not None:
-        rec.system.stop()
-        rec.notes += [n for n in rec.system.notes if n not in rec.notes]
+    if rec is not None and rec.system:
+        rec.system = False
+        rec.notes += [n for n in hook(rec.tracker, "stop_system") if n not in rec.notes]
 
 
 def _mpsrun_version() -> str:

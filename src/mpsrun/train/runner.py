@@ -68,6 +68,7 @@ class RunSummary:
     setup: Setup
     mlflow_log_time_s: float
     model_uri: str | None = None  # runs:/ID/model, or models:/NAME/VERSION when registered
+    test_metrics: dict[str, float] = field(default_factory=dict)  # the test split, once at the end (the CLI prints them)
 
 
 def seed_everything(seed: int) -> None:
@@ -331,8 +332,10 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
             objective=setup.objective,
         )
         keep.after_fit(state, setup.model)  # model_from: best puts the best weights back before they are logged
+        test_metrics: dict[str, float] = {}
         if setup.splits.test is not None and setup.objective is not None:  # after that: the weights that are logged
-            tracker.log_metrics(final_eval.evaluate(setup.model, setup.optimizer, setup.objective, setup.splits.test, recipe.batch_size, setup.choice.device, setup.options, setup.splits.transform))
+            test_metrics = final_eval.evaluate(setup.model, setup.optimizer, setup.objective, setup.splits.test, recipe.batch_size, setup.choice.device, setup.options, setup.splits.transform)
+            tracker.log_metrics(test_metrics)
         tracker.log_metrics(result.summary())
         errors = tracker.flush()
         tracker.log_metrics(
@@ -348,8 +351,8 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
         seen = len(rec.notes)
         if main:
             distributed.for_recording(setup)  # the user's module and the whole validation set, on rank 0
-            outbox = getattr(tracker, "outbox", None)
-            if outbox is not None and outbox.pending():  # the store is away: the spool keeps metrics, params, tags and status, not models
+            away = getattr(tracker, "store_away", None)
+            if away is not None and away():  # the store is away: the spool keeps metrics, params, tags and status, not models
                 rec.notes.append("the tracking store is away at the end of training: figures and the logged model are skipped (metrics, params, tags and the final status are spooled)")
             else:
                 record.end(rec, result)  # figures, description, the logged (and registered) model
@@ -382,7 +385,7 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
     keep.close()
     tracker.finish("FINISHED")
     model_uri = rec.model.registered or rec.model.model_uri if rec.model else None
-    return RunSummary(info, result, setup, tracker.log_time_s, model_uri)
+    return RunSummary(info, result, setup, tracker.log_time_s, model_uri, test_metrics)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

@@ -81,12 +81,62 @@ def graph_problem(optimizer_cls: type, interval: str) -> str | None:
     return f"{optimizer_cls.__name__} cannot read a device-tensor learning rate inside a graph"
 
 
-def tensor_lr(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Make every group's rate a device tensor the graphs read (before the scheduler records initial_lr)."""
+def tensor_lr(optimizer: torch.optim.Optimizer, device: torch.device) -> str:
+    """Make every group's rate a device tensor the graphs read (before the scheduler records initial_lr).
+
+    Plain SGD on CUDA becomes torch's fused SGD, which reads a tensor rate in its one
+    kernel (on the H100 the fashion step: 103 us, against 112 us through TensorLRSGD's
+    three; benchmarks/step_kernels_gpu.py); elsewhere TensorLRSGD. Returns which, for the notes.
+    """
     for g in optimizer.param_groups:
         g["lr"] = torch.tensor(float(g["lr"]), dtype=torch.float32, device=device)
     if type(optimizer) is torch.optim.SGD:
+        if fuse_sgd(optimizer, device):
+            return "torch's fused SGD reads it"
         optimizer.__class__ = TensorLRSGD
+        return "SGD's update runs on foreach kernels that read it"
+    return f"{type(optimizer).__name__} reads it (capturable)"
+
+
+def fuse_sgd(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
+    """Switch a built torch SGD to its fused kernel, as `SGD(..., fused=True)` would have set it up.
+
+    Same update rule; one kernel per step instead of one per foreach op. Only on
+    CUDA, with float32 parameters and no `foreach`/`differentiable` asked for.
+    """
+    if type(optimizer) is not torch.optim.SGD or device.type != "cuda":
+        return False
+    groups = optimizer.param_groups
+    if any(g.get("foreach") or g.get("differentiable") or g.get("fused") for g in groups):
+        return bool(groups) and all(g.get("fused") for g in groups)
+    if any(p.dtype != torch.float32 or p.device.type != "cuda" for g in groups for p in g["params"]):
+        return False
+    if any(g["momentum"] and g["dampening"] for g in groups):
+        return False  # see _late_momentum_buffers: exact only without dampening
+    for g in groups:
+        g["fused"], g["foreach"] = True, None
+    optimizer.defaults["fused"] = True
+    optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]  # as SGD.__init__ sets for fused
+    optimizer._need_device_dtype_check_for_fused = True  # type: ignore[attr-defined]
+    optimizer.register_step_pre_hook(_late_momentum_buffers)
+    return True
+
+
+def _late_momentum_buffers(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Give a parameter whose first gradient comes late a zero momentum buffer before a fused step.
+
+    torch's fused SGD treats a step as the first only when no parameter has a buffer, and
+    fails on a None buffer otherwise (a head used only on some steps). A zero buffer
+    gives what torch's own first step gives, buf = grad, when dampening is 0.
+    """
+    for g in optimizer.param_groups:
+        if not g["momentum"]:
+            continue
+        grads = [p for p in g["params"] if p.grad is not None]
+        missing = [p for p in grads if optimizer.state[p].get("momentum_buffer") is None]
+        if missing and len(missing) < len(grads):
+            for p in missing:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
 
 
 def build(section: Any, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> tuple[Any, bool]:

@@ -1,7 +1,7 @@
 """Early stopping, built as an ordinary callback so the public callback interface carries it.
 
 The run ends FINISHED (it did what was asked: stop when no longer improving), is
-tagged `mpsrun.stopped_early` with the last epoch trained, and its state (best
+tagged `mpsrun.stopped_early` with the last epoch trained (its MLflow step, from 0), and its state (best
 value, epochs waited) travels in checkpoints so a resumed run counts on.
 """
 
@@ -48,10 +48,14 @@ class EarlyStopping(Callback):
         self.wait += 1
         if self.wait >= self.patience:
             run.log.set_tags({"mpsrun.stopped_early": str(epoch), "mpsrun.stopped_early.reason": self.reason()})
-            run.request_stop(f"early stopping at epoch {epoch}: {self.reason()}")
+            run.request_stop(f"early stopping after epoch {epoch + 1} of {run.epochs} (MLflow step {epoch}): {self.reason()}")
 
     def reason(self) -> str:
-        return f"{self.monitor} has not improved by more than {self.min_delta} for {self.wait} epochs (best {self.best:.6g} at epoch {self.best_epoch})"
+        """Epochs counted from 1 as the screen counts them, with the MLflow step (from 0) beside."""
+        return (
+            f"{self.monitor} has not improved by more than {self.min_delta} for {self.wait} epochs "
+            f"(best {self.best:.6g} at epoch {self.best_epoch + 1}, MLflow step {self.best_epoch})"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "best_epoch": self.best_epoch, "wait": self.wait}

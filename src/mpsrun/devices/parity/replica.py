@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -24,7 +23,9 @@ from mpsrun.devices import resolve as devices
 from mpsrun.devices.parity.tolerance import FLOORS, NOISE_CAPS, NOISE_FACTOR, Tolerance, _host
 from mpsrun.recipe.load import Resolved
 from mpsrun.recipe.model import DEVICE_PATTERN
+from mpsrun.plugins.registry import PluginError
 from mpsrun.train import runner
+from mpsrun.train.losses import TaskLoss, build_loss
 
 DEFAULT_STEPS = 20
 PROBE_SIZE = 128
@@ -44,8 +45,13 @@ class Replica:
         channels_last: bool,
         transform: Callable[[torch.Tensor], torch.Tensor] | None,
         dtype: torch.dtype = torch.float32,
+        task: str = "classification",
     ) -> None:
         self.device = device
+        self.task = task
+        self.loss_fn = recipe_loss(resolved, task, device)
+        clip = resolved.recipe.grad_clip
+        self.clip = (clip.max_norm, clip.norm_type) if clip is not None else None
         self.dtype = dtype
         self.model = copy.deepcopy(model).to(device=device, dtype=dtype)
         if channels_last:
@@ -72,24 +78,34 @@ class Replica:
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-        """One training step (as engine.Trainer.train_step); returns (loss, gradient norm)."""
+        """One training step (as engine.Trainer.train_step); returns (loss, pre-clip gradient norm).
+
+        The recipe's own loss for its task (mse on a regression recipe, label smoothing where
+        asked) and its grad_clip: parity compares the training the recipe asks for.
+        """
         self.model.train()
         _dropout_off(self.model)
         x, y = self._input(x), y.to(self.device)
         with self._autocast():
-            loss = F.cross_entropy(self.model(x), y)
+            loss = self.loss_fn(self.model(x), y)
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
             self.scaler.unscale_(self.optimizer)  # the norm of the true gradient
             norm = _grad_norm(self.model)
+            self._clip()
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             loss.backward()
             norm = _grad_norm(self.model)
+            self._clip()
             self.optimizer.step()
         return float(_host(loss)), float(_host(norm))
+
+    def _clip(self) -> None:
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip[0], self.clip[1])
 
     @torch.no_grad()
     def probe(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,6 +116,15 @@ class Replica:
 
     def parameters(self) -> dict[str, torch.Tensor]:
         return {k: _host(v) for k, v in self.model.state_dict().items() if torch.is_tensor(v) and v.is_floating_point()}
+
+
+def recipe_loss(resolved: Resolved, task: str, device: torch.device) -> TaskLoss:
+    """The recipe's `loss:` (or the task's default: cross_entropy, mse); bad input is an InputError."""
+    section = resolved.recipe.loss
+    try:
+        return build_loss(section.name if section else None, section.kwargs if section else {}, task, device)
+    except PluginError as e:
+        raise runner.InputError(str(e)) from None
 
 
 def _dropout_off(model: nn.Module) -> None:
@@ -170,6 +195,7 @@ class Prepared:
     steps: int
     probe_x: torch.Tensor
     notes: list[str]
+    task: str = "classification"  # regression: the probe compares predictions, no argmax agreement
 
 
 def prepare(
@@ -219,7 +245,9 @@ def prepare(
         probe_x = next(iter(DataLoader(splits.val, batch_size=PROBE_SIZE, shuffle=False)))[0]
     except StopIteration:
         raise runner.InputError("the validation split is empty: parity needs its first samples as a probe batch") from None
-    return Prepared(resolved, devs, model, splits, prec_a, (cl_a, cl_b), tol, steps, probe_x, notes)
+    task = getattr(splits, "task", "classification")
+    recipe_loss(resolved, task, devs[0])  # a loss that cannot be built: exit 2 before any MLflow run
+    return Prepared(resolved, devs, model, splits, prec_a, (cl_a, cl_b), tol, steps, probe_x, notes, task)
 
 
 def replicas(
@@ -232,7 +260,7 @@ def replicas(
     transform = prep.splits.transform
     precisions = precisions or (prep.precision, prep.precision)
     a, b = (
-        Replica(prep.model, d, prep.resolved, pr, cl, transform, dt)
+        Replica(prep.model, d, prep.resolved, pr, cl, transform, dt, prep.task)
         for d, cl, dt, pr in zip(prep.devices, prep.channels_last, dtypes, precisions)
     )
     return a, b
@@ -243,4 +271,4 @@ def yardstick(prep: Prepared) -> Replica | None:
     if prep.tolerance.noise_factor == 0:
         return None
     precision, dtype = YARDSTICK[prep.precision]
-    return Replica(prep.model, torch.device("cpu"), prep.resolved, precision, False, prep.splits.transform, dtype)
+    return Replica(prep.model, torch.device("cpu"), prep.resolved, precision, False, prep.splits.transform, dtype, prep.task)

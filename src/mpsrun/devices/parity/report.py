@@ -19,7 +19,7 @@ class StepRecord:
     loss: tuple[float, float] | None = None
     grad_norm: tuple[float, float] | None = None
     diffs: dict[str, Diff] = field(default_factory=dict)
-    argmax_agreement: float = 1.0  # share of probe samples whose predicted class agrees
+    argmax_agreement: float | None = 1.0  # share of probe samples whose predicted class agrees; None: regression
 
     def exceeded(self) -> list[str]:
         return [q for q, d in self.diffs.items() if d.exceeded]
@@ -49,6 +49,11 @@ class ParityResult:
     notes: list[str]
     yardstick: str  # e.g. "cpu fp64", or "none"
     run: tracking.RunInfo | None = None
+    task: str = "classification"  # regression: "logits" are the probe's predictions (standardised target)
+
+    def label(self, quantity: str) -> str:
+        """What a quantity is called on screen: a regression model's outputs are predictions, not logits."""
+        return "outputs" if quantity == "logits" and self.task == "regression" else quantity
 
     def summary(self) -> dict[str, Summary]:
         out = {}
@@ -101,6 +106,7 @@ class ParityResult:
             "recipe": self.recipe,
             "devices": list(self.devices),
             "precision": self.precision,
+            "task": self.task,
             "steps": self.steps,
             "tolerance": asdict(self.tolerance),
             "yardstick": self.yardstick,
@@ -135,7 +141,8 @@ def _step_metrics(rec: StepRecord) -> dict[str, float]:
         m[f"{q}_rel_diff"] = d.rel
         m[f"{q}_noise_rel"] = d.noise
         m[f"{q}_tol_ratio"] = d.ratio
-    m["probe_argmax_agreement"] = rec.argmax_agreement
+    if rec.argmax_agreement is not None:
+        m["probe_argmax_agreement"] = rec.argmax_agreement
     return {k: _finite(v) for k, v in m.items()}
 
 

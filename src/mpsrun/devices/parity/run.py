@@ -151,7 +151,9 @@ def execute(
         la, lb = a.probe(prep.probe_x), b.probe(prep.probe_x)
         n = noise("logits", y.probe(prep.probe_x), la) if y is not None else 0.0
         rec.diffs["logits"] = diff(lb, la, tol, n, quantity="logits")
-        if la.dim() == 2 and la.shape == lb.shape:
+        if prep.task != "classification":  # a regression output has no class to agree on
+            rec.argmax_agreement = None
+        elif la.dim() == 2 and la.shape == lb.shape:
             rec.argmax_agreement = float((la.argmax(1) == lb.argmax(1)).double().mean())
         records.append(rec)
         if on_step:
@@ -194,6 +196,7 @@ def execute(
         worst,
         list(prep.notes),
         f"cpu {'fp64' if y.dtype == torch.float64 else YARDSTICK[prep.precision][0]}" if y is not None else "none",
+        task=prep.task,
     )
 
 
@@ -313,6 +316,7 @@ def _record(tracker: tracking.Tracker, result: ParityResult) -> None:
         "parity.yardstick": result.yardstick,
         "parity.worst_param": result.worst_param,
         "parity.a_suspect": str(result.a_suspect).lower(),
+        "parity.task": result.task,
         "mpsrun.notes": " | ".join(result.notes) or "none",
     }
     for i, note in enumerate(result.notes):
@@ -352,7 +356,7 @@ def plot(result: ParityResult, path: Path) -> None:
     for q, style in (("loss", "o-"), ("grad_norm", "s-"), ("logits", "^-")):
         ys = [min(max(r.diffs[q].ratio, floor), 1e6) if q in r.diffs else math.nan for r in result.records]
         top_ratio = max([top_ratio] + [v for v in ys if not math.isnan(v)])
-        bottom.plot(all_steps, ys, style, label=q, markersize=4)
+        bottom.plot(all_steps, ys, style, label=result.label(q), markersize=4)
     pr = min(max(result.params.ratio, floor), 1e6) if not math.isnan(result.params.ratio) else 1e6
     bottom.plot([result.steps], [pr], "D", label="params (end)")
     bottom.axhline(1.0, color="red", linestyle=":", label="tolerance")
