@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -142,6 +143,22 @@ def test_nproc_2_is_one_run_on_the_single_process_trajectory(work) -> None:  # t
     assert {"distributed_ranks.json", "figures", "recipe.yaml"} <= {f.path for f in work.client().list_artifacts(ddp.info.run_id)}
 
 
+def test_accumulate_under_nproc_2_follows_the_single_process_run(work) -> None:  # type: ignore[no-untyped-def]
+    """accumulate: 3 (groups of 3 global batches of 32; the epoch's last group ends on the shared tail of 29)."""
+    r = work.write("r.yaml", RECIPE.format(epochs=2, model="mlp") + "accumulate: 3\n")
+    one = work.cli("run", str(r), "-q")
+    assert one.exit_code == 0, one.output
+    p = _sub([_bin("mpsrun"), "run", str(r), "-q", "--nproc", "2"], work.path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    single, ddp = work.runs("ddp")
+    assert ddp.data.tags["distributed.world_size"] == "2" and ddp.data.params["accumulate"] == "3"
+    for key in ("val_loss", "train_loss"):
+        a, b = work.history(single.info.run_id, key), work.history(ddp.info.run_id, key)
+        assert [s for s, _ in a] == [s for s, _ in b] == [0, 1]
+        for (_, x), (_, y) in zip(a, b):
+            assert abs(x - y) < 1e-4, (key, a, b)
+
+
 @pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="torchrun not installed beside python")
 def test_torchrun_gives_one_run(work) -> None:  # type: ignore[no-untyped-def]
     r = work.write("r.yaml", RECIPE.format(epochs=1, model="mlp"))
@@ -194,3 +211,115 @@ def test_a_dying_rank_takes_the_job_down_and_is_named(work, fake_dist) -> None: 
     assert run.data.tags["distributed.failed_ranks"] == "1"
     assert "rank 1 failed" in run.data.tags["mpsrun.error"] and "boom on rank 1" in run.data.tags["mpsrun.error"]
     assert len(work.history(run.info.run_id, "val_loss")) == 1  # epoch 1 finished and was logged
+
+
+# ----------------------------------------------------------------------------- how a rank ends
+
+LATE_CALLBACK = """\
+import sys, time
+import torch, torch.distributed as dist
+from mpsrun.train import distributed, teardown
+
+ctx = distributed.from_env()
+distributed.init(ctx, torch.device("cpu"))
+model = distributed.wrap(torch.nn.Linear(2, 2), torch.device("cpu"))  # DDP's reducer keeps the group (and its threads) alive
+if ctx.rank == 0:
+    time.sleep(1.5)  # joins late: rank 1's gloo worker completes the collective, and runs its callback, only then
+    dist.all_reduce(torch.ones(4))
+else:
+    fut = dist.all_reduce(torch.ones(4), async_op=True).get_future().then(lambda f: f.value()[0])
+    del fut
+
+    class Slow:  # a slow interpreter teardown, as on a loaded machine: the worker is late into it
+        def __del__(self, sleep=time.sleep):
+            sleep(3)
+
+    import builtins
+    builtins.slow = Slow()
+if sys.argv[1] == "teardown":
+    teardown.finish(0)
+"""
+
+
+def test_a_rank_ends_without_finalisation_under_a_late_gloo_worker(tmp_path: Path) -> None:
+    """The flake behind `terminate called without an active exception` (rank 1, after a job that succeeded).
+
+    A gloo worker thread that needs the GIL (a Python callback, a tensor Python dropped)
+    after CPython began finalising is ended with pthread_exit, and the unwind through a
+    C++ destructor aborts the process. Here the worker is made late on purpose: ending
+    the way Python does aborts (on the Pythons that end such threads), ending through
+    `teardown.finish` (what the CLI does for every rank) exits 0.
+    """
+    from tests.proc_helpers import free_port
+
+    script = tmp_path / "late.py"
+    script.write_text(LATE_CALLBACK)
+
+    def job(mode: str) -> list[subprocess.CompletedProcess]:
+        port = str(free_port())
+        procs = []
+        for r in range(2):
+            env = {**os.environ, **ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "RANK": str(r), "LOCAL_RANK": str(r)}
+            procs.append(subprocess.Popen([sys.executable, str(script), mode], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            outs.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        return outs
+
+    ended = job("teardown")
+    assert [p.returncode for p in ended] == [0, 0], [p.stderr[-2000:] for p in ended]
+    assert not any("terminate called" in p.stderr for p in ended)
+    if sys.version_info < (3, 14):  # 3.14 parks such threads instead of ending them
+        python = job("python")
+        assert python[1].returncode == -6 and "terminate called without an active exception" in python[1].stderr, python[1].stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- resume keeps the world size
+
+
+def test_a_stopped_2_rank_job_resumes_on_2_ranks_on_the_same_trajectory(work, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """SIGTERM (preemption) of `run --nproc 2` after epoch 1 of 3; `mpsrun resume ID` runs 2 ranks again."""
+    from tests.proc_helpers import plugin_site
+
+    site = plugin_site(tmp_path)
+    hold = tmp_path / "hold"  # while it exists, every training step sleeps 0.2 s: the test sets the pace
+    recipe = RECIPE.format(epochs=3, model="held_mlp").replace("batch_size: 32", "batch_size: 64")  # 23 steps; a tail of 29 (15/14)
+    r = work.write("r.yaml", recipe.replace("{name: held_mlp}", f"{{name: held_mlp, hold: '{hold}'}}"))
+    extra = {"PYTHONPATH": str(site)}
+    ref = _sub([_bin("mpsrun"), "run", str(r), "-q", "--nproc", "2"], work.path, extra)  # uninterrupted (no hold file)
+    assert ref.returncode == 0, ref.stdout + ref.stderr
+    hold.touch()
+    env = {**os.environ, **ENV, **extra}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    job = subprocess.Popen([_bin("mpsrun"), "run", str(r), "-q", "--nproc", "2"], cwd=work.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_id = None
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and run_id is None:  # epoch 1's checkpoint is in: stop the job in epoch 2
+        time.sleep(0.5)
+        for run in work.runs("ddp")[1:]:
+            if run.data.tags.get("mpsrun.checkpoint.epoch") == "0":
+                run_id = run.info.run_id
+    assert run_id is not None, "no checkpoint of epoch 0 within 180 s"
+    job.send_signal(signal.SIGTERM)
+    out, errs = job.communicate(timeout=120)
+    assert job.returncode == 143, out + errs
+    stopped = work.client().get_run(run_id)
+    assert stopped.info.status == "KILLED"
+    assert [s for s, _ in work.history(run_id, "val_loss")] == [0]
+    hold.unlink()
+
+    res = _sub([_bin("mpsrun"), "resume", run_id, "-q"], work.path, extra)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "launching 2 ranks" in res.stdout
+    run = work.client().get_run(run_id)
+    t = run.data.tags
+    assert run.info.status == "FINISHED"
+    assert t["distributed.world_size"] == "2" and t["mpsrun.resumed"] == "1"
+    assert t["distributed.rank.1"] != stopped.data.tags["distributed.rank.1"]  # the new job's ranks (pids)
+    a, b = work.history(ref_id := work.runs("ddp")[0].info.run_id, "val_loss"), work.history(run_id, "val_loss")
+    assert ref_id != run_id
+    assert [s for s, _ in b] == [0, 1, 2]  # each epoch logged once
+    for (_, x), (_, y) in zip(a, b):
+        assert abs(x - y) < 1e-4, (a, b)
+    assert [s for s, _ in work.history(run_id, "train_loss")] == [0, 1, 2]

@@ -6,6 +6,7 @@ One module per group of commands; each registers on the shared Typer `app`.
 from __future__ import annotations
 
 import os
+import sys
 
 from mpsrun.cli import run, plugins, devices, bench, resume, sync  # noqa: F401,I001  (registers the commands, in --help order)
 from mpsrun.cli import eval as _eval  # noqa: F401,E402  (registers `mpsrun eval`)
@@ -15,10 +16,40 @@ __all__ = ["app", "main"]
 
 
 def main() -> None:
-    """Console-script entry point; maps a stray Ctrl-C to exit 130."""
+    """Console-script entry point; maps a stray Ctrl-C to exit 130.
+
+    A rank of a data-parallel job (`--nproc`, `torchrun`) ends through
+    `train.teardown.finish`: in step with the other ranks and without Python's
+    finalisation, which gloo's worker threads do not survive (see that module).
+    """
     os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    code: int = 0
     try:
         app()
     except KeyboardInterrupt:
         err.print("interrupted")
+        code = EXIT_INTERRUPT
         raise SystemExit(EXIT_INTERRUPT) from None
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        raise
+    except BaseException:
+        code = 1
+        if _rank_of_a_job():
+            import traceback
+
+            traceback.print_exc()  # the process ends with os._exit below: Python would not print it
+        raise
+    finally:
+        if _rank_of_a_job():
+            from mpsrun.train import teardown
+
+            teardown.finish(code)  # never returns
+
+
+def _rank_of_a_job() -> bool:
+    if "mpsrun.train.distributed" not in sys.modules:  # never imports torch for --help, validate, ...
+        return False
+    from mpsrun.train import teardown
+
+    return teardown.active()

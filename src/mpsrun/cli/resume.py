@@ -8,8 +8,9 @@ import time
 from typing import List, Optional
 
 import typer
+from rich.markup import escape  # error texts hold brackets (gloo's [file:line]), not markup
 
-from mpsrun.cli.common import EXIT_FAIL, app, bad_input, console, err, recipe_errors
+from mpsrun.cli.common import EXIT_FAIL, EXIT_INTERRUPT, app, bad_input, console, err, recipe_errors
 
 UriOpt = typer.Option(
     None, "--tracking-uri", help="MLflow tracking URI; default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlruns/mlflow.db."
@@ -28,44 +29,105 @@ def resume(
     ),
     tracking_uri: Optional[str] = UriOpt,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="One line per epoch instead of progress bars."),
+    nproc: Optional[int] = typer.Option(
+        None, "--nproc", min=1, show_default=False,
+        help="Ranks to resume on; default: as many as the run trained on (its distributed.world_size tag). "
+        "batch_size stays the global batch, so another count follows the same trajectory.",
+    ),
 ) -> None:
-    """Continue an interrupted run (KILLED, FAILED, or RUNNING with its process gone) from its last checkpoint."""
+    """Continue an interrupted run (KILLED, FAILED, or RUNNING with its process gone) from its last checkpoint.
+
+    A data-parallel run resumes as a job of as many ranks as it trained on (`--nproc` to change that).
+    """
+    from mpsrun.cli.ranks import in_a_job
     from mpsrun.track import store as tracking
-    from mpsrun.train import interrupt, runner
     from mpsrun.train import resume as resumemod
-    from mpsrun.train.progress import BarProgress, QuietProgress
 
     uri, _ = tracking.resolve_uri(tracking_uri)
+    if in_a_job():  # one rank of a resumed job: started below, or by torchrun ... -m mpsrun resume ID
+        if nproc is not None:
+            raise bad_input("--nproc inside a job that a launcher (torchrun) already started; drop --nproc")
+        return _resume(uri, run_id, overrides or [], tracking_uri, quiet)
     try:
         with recipe_errors():
             p = resumemod.plan(uri, run_id, overrides or [])
     except resumemod.ResumeRefused as e:
         raise bad_input(str(e)) from None
+    world = nproc or p.world_size
+    note = resumemod.world_note(p.world_size, world)
+    if note:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    if world == 1:
+        return _resume(uri, run_id, overrides or [], tracking_uri, quiet, p)
+    from mpsrun.cli.ranks import start_job
+
+    r = p.resolved.recipe
     try:
-        setup = runner.prepare(p.resolved)
-    except runner.InputError as e:
-        raise bad_input(str(e)) from None
-    r = setup.resolved.recipe
-    console.print(
-        f"[bold]mpsrun resume[/] {run_id} ({p.status}) experiment '{p.experiment}': epochs {p.point.start_epoch + 1}..{r.epochs} "
-        f"of {r.epochs} on {setup.choice.device}",
-        highlight=False,
-    )
-    progress = QuietProgress(console) if quiet or not console.is_terminal else BarProgress(console)
+        start_job(
+            p.resolved, [run_id, *(overrides or [])], tracking_uri, quiet, world, "resume",
+            env={resumemod.ENV_FILES: str(p.workdir)},  # rank 0 reads the checkpoint fetched here
+            headline=f"resume {run_id} ({p.status}) experiment '{p.experiment}': epochs {p.point.start_epoch + 1}..{r.epochs}; ",
+        )
+    finally:
+        shutil.rmtree(p.workdir, ignore_errors=True)
+
+
+def _resume(uri: str, run_id: str, overrides: list[str], tracking_uri: Optional[str], quiet: bool, p=None) -> None:  # type: ignore[no-untyped-def]
+    """Resume in this process: a single process (`p` planned already), or one rank of a job.
+
+    Rank 0 plans in full (liveness, the checkpoint: from the launcher's folder, else the
+    store); the other ranks read the recipe only and take rank 0's checkpoint once the
+    group is joined, so only rank 0 fetches it and only its pid becomes the run's.
+    """
+    from mpsrun.train import distributed, interrupt, runner
+    from mpsrun.train import resume as resumemod
+    from mpsrun.train.progress import BarProgress, QuietProgress
+
+    job = distributed.from_env()
+    main = job is None or job.main
+    if p is None:
+        try:
+            with recipe_errors():
+                p = resumemod.plan(uri, run_id, overrides, checkpoint=main, files_dir=resumemod.files_from_env() if main else None)
+        except resumemod.ResumeRefused as e:
+            raise bad_input(str(e)) from None
     try:
-        with interrupt.stop_on_signals():
-            summary = runner.execute(setup, tracking_uri, progress, resume=p.point, experiment=p.experiment)
-    except KeyboardInterrupt as e:
-        if isinstance(progress, BarProgress):
-            progress.stop()
-        err.print(f"[yellow]interrupted ({getattr(e, 'name', 'SIGINT')}):[/] run {run_id} is marked KILLED; "
-                  f"go on with: {_resume_hint(run_id, tracking_uri)}", highlight=False)
-        raise typer.Exit(interrupt.exit_code(e)) from None
-    except runner.RunFailed as e:
-        if isinstance(progress, BarProgress):
-            progress.stop()
-        err.print(f"[red]failed:[/] {e} (MLflow run {e.run_id} marked FAILED, traceback in its error.txt)", highlight=False)
-        raise typer.Exit(EXIT_FAIL) from None
+        try:
+            setup = runner.prepare(p.resolved)  # a rank joins the job's group here
+        except runner.InputError as e:
+            raise bad_input(str(e)) from None
+        p.point.checkpoint = distributed.broadcast_object(p.point.checkpoint if main else None)
+        if not main:  # ranks 1..N-1 train silently; rank 0 speaks for the job
+            try:
+                runner.execute(setup, tracking_uri, None, resume=p.point, experiment=p.experiment)
+            except KeyboardInterrupt:
+                raise typer.Exit(EXIT_INTERRUPT) from None
+            except runner.RunFailed as e:
+                err.print(f"[red]failed:[/] {escape(str(e))}", highlight=False)
+                raise typer.Exit(EXIT_FAIL) from None
+            return
+        r = setup.resolved.recipe
+        ranks = f" on {job.world_size} ranks" if job else ""
+        console.print(
+            f"[bold]mpsrun resume[/] {run_id} ({p.status}) experiment '{p.experiment}': epochs {p.point.start_epoch + 1}..{r.epochs} "
+            f"of {r.epochs} on {setup.choice.device}{ranks}",
+            highlight=False,
+        )
+        progress = QuietProgress(console) if quiet or not console.is_terminal else BarProgress(console)
+        try:
+            with interrupt.stop_on_signals():
+                summary = runner.execute(setup, tracking_uri, progress, resume=p.point, experiment=p.experiment)
+        except KeyboardInterrupt as e:
+            if isinstance(progress, BarProgress):
+                progress.stop()
+            err.print(f"[yellow]interrupted ({getattr(e, 'name', 'SIGINT')}):[/] run {run_id} is marked KILLED; "
+                      f"go on with: {_resume_hint(run_id, tracking_uri)}", highlight=False)
+            raise typer.Exit(interrupt.exit_code(e)) from None
+        except runner.RunFailed as e:
+            if isinstance(progress, BarProgress):
+                progress.stop()
+            err.print(f"[red]failed:[/] {escape(str(e))} (MLflow run {e.run_id} marked FAILED, traceback in its error.txt)", highlight=False)
+            raise typer.Exit(EXIT_FAIL) from None
     finally:
         shutil.rmtree(p.workdir, ignore_errors=True)
     s = summary.result.summary()

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+from rich.markup import escape  # error texts hold brackets (gloo's [file:line]), not markup
 
 from mpsrun.cli.common import (
     EXIT_FAIL,
@@ -45,7 +46,7 @@ def run(
         return launch_ranks(resolved, recipe, overrides or [], tracking_uri, quiet, nproc)
     # MLflow set-up starts now, beside the torch import, data and model (track/background.py).
     # Not in a rank of a multi-process job (RANK and WORLD_SIZE > 1, as train.distributed.from_env
-    # reads them; not imported here, it imports torch): there distributed.tracker decides who logs.
+    # reads them; not imported here, it imports torch): there train.job_run.tracker decides who logs.
     tracker = None
     if not ("RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1")):
         from mpsrun.track import background, store
@@ -102,7 +103,7 @@ def run(
     except runner.RunFailed as e:
         if isinstance(progress, BarProgress):
             progress.stop()
-        err.print(f"[red]failed:[/] {e} (MLflow run {e.run_id} marked FAILED, traceback in its error.txt)", highlight=False)
+        err.print(f"[red]failed:[/] {escape(str(e))} (MLflow run {e.run_id} marked FAILED, traceback in its error.txt)", highlight=False)
         raise typer.Exit(EXIT_FAIL) from None
     res = summary.result
     if res.stop_reason and isinstance(progress, BarProgress):
@@ -133,7 +134,7 @@ def _other_rank(setup, tracking_uri: Optional[str]) -> None:  # type: ignore[no-
     except KeyboardInterrupt:
         raise typer.Exit(EXIT_INTERRUPT) from None
     except runner.RunFailed as e:
-        err.print(f"[red]failed:[/] {e}", highlight=False)
+        err.print(f"[red]failed:[/] {escape(str(e))}", highlight=False)
         raise typer.Exit(EXIT_FAIL) from None
 
 

@@ -30,6 +30,7 @@ class ResumePoint:
     checkpoint: dict[str, Any]
     best_file: Path | None = None
     overrides: list[str] = field(default_factory=list)
+    world_size: int = 1  # the ranks the run trained on before (its `distributed.world_size` tag)
 
     @property
     def start_epoch(self) -> int:
@@ -83,8 +84,11 @@ class Continuity:
         tags = {
             "mpsrun.resumed": str(n),
             f"mpsrun.resume.{n}": f"from the checkpoint of epoch {resume.start_epoch - 1} (0-based) on {socket.gethostname()} "
-            f"at {time.strftime('%Y-%m-%d %H:%M:%S')}; overrides: {' '.join(resume.overrides) or 'none'}",
+            f"at {time.strftime('%Y-%m-%d %H:%M:%S')}; overrides: {' '.join(resume.overrides) or 'none'}"
+            + (f"; world size {resume.world_size} -> {distributed.world_size()}" if resume.world_size != distributed.world_size() else ""),
         }
+        if resume.world_size != distributed.world_size():  # the job's tags say what trains now
+            tags["distributed.world_size"] = str(distributed.world_size())
         old = resume.checkpoint.get("meta", {})
         changed = [f"{k}: {old.get(k)} -> {v}" for k, v in self.meta.items() if old.get(k) and old.get(k) != v]
         if changed:

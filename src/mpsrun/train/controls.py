@@ -20,7 +20,7 @@ from mpsrun.plugins.components import METRICS
 from mpsrun.plugins.contract import DataSplits
 from mpsrun.recipe.model import Recipe
 from mpsrun.recipe.problems import did_you_mean
-from mpsrun.train import distributed, schedulers
+from mpsrun.train import schedulers
 from mpsrun.train.callbacks import Callback
 from mpsrun.train.data import BatchPlan
 from mpsrun.train.losses import build_loss
@@ -88,8 +88,6 @@ def adjust_options(recipe: Recipe, options: Options) -> None:
 
 def build(recipe: Recipe, splits: DataSplits, model: nn.Module, optimizer: torch.optim.Optimizer, plan: BatchPlan, options: Options, device: torch.device) -> Controls:
     task = task_of(splits)
-    if recipe.accumulate > 1 and distributed.world_size() > 1:
-        raise ControlError("accumulate: gradient accumulation under --nproc (DDP) is not supported yet; use a larger global batch_size")
     for m in recipe.metrics:
         if m not in METRICS[task]:
             raise ControlError(f"metrics: '{m}' is not a {task} metric; {task} metrics: {', '.join(METRICS[task])}")

@@ -13,8 +13,8 @@ Why these choices:
 - A rank that fails writes `mpsrun/failed/<rank>` into the job's c10d store (the
   rendezvous store every rank already shares, on one node or many) before it exits,
   so rank 0, the one process that talks to MLflow, can name the rank in the FAILED run.
-- Rank 0 alone creates the MLflow run; the other ranks get `NullTracker`, which takes
-  the same calls and writes nothing, so the runner has one code path.
+- Rank 0 alone creates the MLflow run (train/job_run.py); a rank ends through
+  train/teardown.py.
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ from __future__ import annotations
 import datetime
 import os
 import signal
-import socket
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +54,7 @@ class Context:
 
 _ctx: Context | None = None
 _backend: str | None = None
+_joined = False  # this process joined a job's group (stays True after shutdown: train/teardown.py ends it)
 
 
 def from_env(env: dict[str, str] | None = None) -> Context | None:
@@ -77,12 +76,22 @@ def context() -> Context | None:
     return _ctx
 
 
+def backend() -> str | None:
+    """The job's backend (gloo, nccl) once `init` ran."""
+    return _backend
+
+
 def world_size() -> int:
     return _ctx.world_size if _ctx else 1
 
 
 def rank() -> int:
     return _ctx.rank if _ctx else 0
+
+
+def joined() -> bool:
+    """True once this process joined a job's process group (even after `shutdown`)."""
+    return _joined
 
 
 def is_main_process() -> bool:
@@ -194,7 +203,7 @@ def on_failure(error: BaseException, run: Any) -> Any:
 
 def init(ctx: Context, device: torch.device) -> str:
     """Join the process group (backend by device); install the SIGTERM handler that ends this rank cleanly."""
-    global _ctx, _backend
+    global _ctx, _backend, _joined
     import torch.distributed as dist
 
     backend = backend_for(device.type)
@@ -205,10 +214,10 @@ def init(ctx: Context, device: torch.device) -> str:
         dist.init_process_group(
             backend, rank=ctx.rank, world_size=ctx.world_size, timeout=datetime.timedelta(seconds=timeout_s()), **kwargs
         )
-    _ctx, _backend = ctx, backend
+    _ctx, _backend, _joined = ctx, backend, True
     import atexit
 
-    atexit.register(shutdown)  # leave the group cleanly however the command ends
+    atexit.register(shutdown)  # a backstop: the CLI ends a rank through train/teardown.py, which leaves first
     signal.signal(signal.SIGTERM, _on_term)  # the agent stops the survivors with SIGTERM when a rank dies
     return backend
 
@@ -223,7 +232,11 @@ def _on_term(signum: int, frame: Any) -> None:
 
 
 def shutdown() -> None:
-    """Leave the process group (idempotent)."""
+    """Leave the process group (idempotent).
+
+    With gloo this does not stop the group's worker threads once DDP was built (its
+    reducer keeps the group alive): see train/teardown.py for how a rank ends safely.
+    """
     global _ctx, _backend
     import torch.distributed as dist
 
@@ -233,6 +246,11 @@ def shutdown() -> None:
         except Exception:
             pass
     _ctx, _backend = None, None
+
+
+def job_store() -> Any | None:
+    """The job's c10d store (the rendezvous store every rank shares), or None outside a job."""
+    return _store()
 
 
 def _store() -> Any | None:
@@ -348,6 +366,17 @@ def gather(obj: Any) -> list[Any]:
     return out
 
 
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s `obj` on every rank (a resumed job's checkpoint: rank 0 fetched it); `obj` in a single process."""
+    if _ctx is None:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj if _ctx.rank == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 # ----------------------------------------------------------------------------- the model
 
 
@@ -360,6 +389,22 @@ def wrap(model: nn.Module, device: torch.device) -> nn.Module:
     if device.type == "cuda":
         return DDP(model, device_ids=[device.index], output_device=device.index)
     return DDP(model)
+
+
+def no_sync(model: nn.Module, skip: bool) -> Any:
+    """DDP's `no_sync()` when `skip` (an accumulation group's micro-batches before its last), else nothing.
+
+    Gradients then add up locally and the last micro-batch's backward all-reduces their
+    sum once: one all-reduce per optimizer step, and the same average gradient.
+    """
+    import contextlib
+
+    if not skip or _ctx is None:
+        return contextlib.nullcontext()
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = getattr(model, "_orig_mod", model)  # under torch.compile
+    return ddp.no_sync() if isinstance(ddp, DDP) else contextlib.nullcontext()
 
 
 def for_recording(setup: Any) -> None:
@@ -381,79 +426,3 @@ def unwrap(model: nn.Module) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     return model.module if isinstance(model, DDP) else model
-
-
-# ----------------------------------------------------------------------------- tracking
-
-
-def rank_facts(device: torch.device, tags: dict[str, str]) -> dict[str, str]:
-    """What one rank ran on, in a line per rank on the run (the full set is in distributed_ranks.json)."""
-    facts = {"host": socket.gethostname(), "pid": str(os.getpid()), "device": str(device)}
-    for k in ("cuda.device_name", "cuda.name", "cuda.uuid", "cpu.brand", "cpu.torch_threads", "sw.torch"):
-        if k in tags:
-            facts[k] = tags[k]
-    return {"summary": facts, "all": tags}  # type: ignore[dict-item]
-
-
-def job_tags(device: torch.device, device_tags: dict[str, str]) -> tuple[dict[str, str], list[dict[str, Any]]]:
-    """Collective: gathers every rank's device facts; returns (tags for the run, per-rank facts)."""
-    if _ctx is None:
-        return {}, []
-    facts = gather(rank_facts(device, device_tags))
-    hosts = {f["summary"]["host"] for f in facts}
-    tags = {
-        "distributed.world_size": str(_ctx.world_size),
-        "distributed.backend": str(_backend),
-        "distributed.nodes": str(max(_ctx.nodes, len(hosts))),
-        "distributed.local_world_size": str(_ctx.local_world_size),
-        "distributed.launcher": "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ and ENV_RUN_FILE not in os.environ else "mpsrun --nproc",
-    }
-    for r, f in enumerate(facts):
-        tags[f"distributed.rank.{r}"] = " ".join(f"{k}={v}" for k, v in f["summary"].items())
-    return tags, facts
-
-
-def publish_run_id(run_id: str) -> None:
-    """Rank 0 tells the `--nproc` launcher which run to mark if the job dies under it."""
-    path = os.environ.get(ENV_RUN_FILE)
-    if path and is_main_process():
-        Path(path).write_text(run_id)
-
-
-class NullTracker:
-    """The tracker of ranks other than 0: the Tracker's calls, nothing written (ONE run per job)."""
-
-    log_time_s = 0.0
-    log_time_during_s = 0.0
-    handoff_time_s = 0.0
-
-    def __init__(self, uri: str, experiment: str, artifact_root: str | None = None) -> None:
-        self.uri, self.experiment = uri, experiment
-        self.run_id: str | None = None
-
-    def start(self, run_name: str | None, tags: dict[str, str], parent_run_id: str | None = None) -> Any:
-        from mpsrun.track.store import RunInfo
-
-        return RunInfo(f"(rank 0's run; this is rank {rank()})", "", self.experiment, self.uri)
-
-    def attach(self, run_id: str) -> Any:
-        from mpsrun.track.store import RunInfo
-
-        return RunInfo(run_id, "", self.experiment, self.uri)
-
-    def flush(self) -> list[str]:
-        return []
-
-    def __getattr__(self, name: str) -> Any:  # log_params, log_metrics, set_tags, log_text, finish, ...
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return lambda *a, **k: None
-
-
-def tracker(uri: str, experiment: str, artifact_root: str | None) -> Any:
-    """The MLflow tracker on rank 0 (and in a single process); a NullTracker elsewhere."""
-    if is_main_process():
-        from mpsrun.track.store import Tracker
-
-        return Tracker(uri, experiment, artifact_root)
-    return NullTracker(uri, experiment, artifact_root)

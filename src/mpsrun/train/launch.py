@@ -68,15 +68,20 @@ def precheck(device_request: str, fallback: list[str] | None, batch_size: int, n
     return backend
 
 
-def launch(args: list[str], nproc: int, tracking_uri: str | None) -> Outcome:
-    """Start `python -m mpsrun run *args` as ranks 0..nproc-1 and wait; record a rank's death on the run."""
+def launch(args: list[str], nproc: int, tracking_uri: str | None, command: str = "run", env: dict[str, str] | None = None) -> Outcome:
+    """Start `python -m mpsrun <command> *args` as ranks 0..nproc-1 and wait; record a rank's death on the run.
+
+    `command` is `run`, or `resume` (the same run continued by a job of nproc ranks);
+    `env`: more variables the ranks inherit (the resume launcher's fetched files).
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     with tempfile.TemporaryDirectory(prefix="mpsrun-ddp-") as tmp:
         run_file = Path(tmp) / "run_id"
-        os.environ[distributed.ENV_RUN_FILE] = str(run_file)  # the workers inherit the launcher's environment
+        extra = {distributed.ENV_RUN_FILE: str(run_file), **(env or {})}
+        os.environ.update(extra)  # the workers inherit the launcher's environment
         config = LaunchConfig(
             min_nodes=1,
             max_nodes=1,
@@ -89,7 +94,7 @@ def launch(args: list[str], nproc: int, tracking_uri: str | None) -> Outcome:
             start_method="spawn",
         )
         try:
-            elastic_launch(config, entrypoint=sys.executable)("-m", "mpsrun", "run", *args)
+            elastic_launch(config, entrypoint=sys.executable)("-m", "mpsrun", command, *args)
         except ChildFailedError as e:
             out = _failed(e, run_file)
         except SignalException as e:
@@ -104,7 +109,8 @@ def launch(args: list[str], nproc: int, tracking_uri: str | None) -> Outcome:
         else:
             return Outcome(EXIT_OK, None, _read(run_file))
         finally:
-            os.environ.pop(distributed.ENV_RUN_FILE, None)
+            for k in extra:
+                os.environ.pop(k, None)
     if out.exit_code != EXIT_INPUT:
         _mark(tracking_uri, out, "FAILED")
     return out

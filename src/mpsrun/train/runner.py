@@ -25,7 +25,7 @@ from mpsrun.recipe.load import Resolved, flatten
 from mpsrun.recipe.model import Recipe
 from mpsrun.track import store as tracking
 from mpsrun.track.standard import bookkeeping
-from mpsrun.train import controls, distributed, final_eval, record, shards
+from mpsrun.train import controls, distributed, final_eval, job_run, record, shards
 from mpsrun.train.callbacks import Callback, Callbacks, RunState  # noqa: F401 - Callbacks: public here
 from mpsrun.train.continuity import Continuity, ResumePoint
 from mpsrun.train.data import BatchPlan, plan_batches
@@ -215,7 +215,6 @@ def prepare(resolved: Resolved) -> Setup:
     if options.channels_last:
         model = model.to(memory_format=torch.channels_last)
     model = distributed.wrap(model, device)  # DDP when one of several ranks
-    shards.attach(model, plan)
     optimizer = build_optimizer(recipe, model, options.graphs)
     try:
         ctl = controls.build(recipe, splits, model, optimizer, plan, options, device)
@@ -281,14 +280,16 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
     if tracker is None:
         uri, artifact_root = tracking.resolve_uri(tracking_uri)
         experiment = experiment or experiment_name(r)
-        tracker = distributed.tracker(uri, experiment, artifact_root)  # rank 0 alone writes: one run per job
-    job_tags, rank_facts = distributed.job_tags(setup.choice.device, devices.choice_tags(setup.choice))
+        tracker = job_run.tracker(uri, experiment, artifact_root)  # rank 0 alone writes: one run per job
+    job_tags, rank_facts = job_run.job_tags(setup.choice.device, devices.choice_tags(setup.choice))
     all_tags = {**run_tags(setup), **job_tags, **(tags or {})}
     if resume is None:
         info = tracker.start(recipe.tracking.run_name or record.default_run_name(setup), all_tags, parent_run_id)
     else:  # the same run goes on; its params stay as first logged (MLflow params are immutable)
         info = tracker.attach(resume.run_id)
-    distributed.publish_run_id(info.run_id)
+        if job_tags:  # the ranks that train now (pids, devices; the world size: see Continuity)
+            tracker.set_tags(job_tags)
+    job_run.publish_run_id(info.run_id)
     main = distributed.is_main_process()
     rec = record.begin(tracker, setup, recipe.tracking.system_metrics) if main else record.Recorder(tracker, setup)  # experiment kind, standard tags, datasets, system metrics
     if resume is None:

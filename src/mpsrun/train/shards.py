@@ -9,10 +9,13 @@ single process takes, up to float rounding.
 
 The epoch's last, short batch of t samples is shared as evenly as it goes (shares
 differ by at most one). Unequal shares would make DDP's plain average weight the
-ranks wrongly, so that step's all-reduce is weighted by share * N / t (a DDP
-communication hook, registered only when some step needs it). A tail smaller than
-the world size cannot give every rank a sample, and every rank must take every step
-(each step is a collective): it is dropped, said and recorded.
+ranks wrongly, so on that step each rank's loss is weighted by share * N / t before
+its backward (`StepWeight`, which the step reads): DDP's own C++ all-reduce then
+averages to the global batch's mean gradient. (Not a Python communication hook: its
+callbacks run on gloo's worker threads and need the GIL there, every step and at
+exit; see train/teardown.py.) A tail smaller than the world size cannot give every
+rank a sample, and every rank must take every step (each step is a collective): it
+is dropped, said and recorded.
 
 Validation needs no lock-step: each rank takes a contiguous slice of the validation
 set and the engine sums loss and correct counts over ranks (`distributed.reduce_sums`).
@@ -33,7 +36,7 @@ from mpsrun.train.data import BatchPlan, LoaderBatches, ResidentBatches
 
 @dataclass
 class StepWeight:
-    """This step's all-reduce weight (share * world / global batch); 1.0 for every full batch."""
+    """This step's loss weight (share * world / global batch); 1.0 for every full batch. Set by the batches' iterator."""
 
     value: float = 1.0
     world: int = 1
@@ -89,6 +92,7 @@ class ShardResidentBatches(ResidentBatches):
         self.pos = self.lay.positions
         self.n = len(self.pos)  # this rank's samples per epoch (the graph path slices by it)
         self.samples = self.lay.global_samples  # what the metrics divide by: the job's samples
+        self.global_batch = batch_size  # accumulation groups global batches, as one process would
         self.weight = weight
 
     def __len__(self) -> int:
@@ -145,6 +149,7 @@ class ShardLoaderBatches(LoaderBatches):
         self.loader = DataLoader(old.dataset, batch_sampler=sampler, generator=gen, num_workers=old.num_workers, pin_memory=old.pin_memory, **kwargs)
         self.lay = sampler.lay
         self.samples = self.lay.global_samples
+        self.global_batch = batch_size
         self.device = base.device
         self.non_blocking = base.non_blocking
         self.weight = weight
@@ -188,24 +193,3 @@ def share(plan: BatchPlan, batch_size: int, seed: int) -> tuple[BatchPlan, list[
         )
     val = _val_share(plan.val, batch_size, world, rank)
     return BatchPlan(train, val, plan.resident, plan.reason + f"; rank {rank}'s share of each global batch of {batch_size}", plan.transform), notes
-
-
-def _weighted_allreduce(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks the annotations: leave them off
-    """DDP's default all-reduce (divide by world, sum), with this step's rank weight folded in."""
-    import torch.distributed as dist
-
-    t = bucket.buffer()
-    if state.value == 1.0:
-        t.div_(state.world)
-    else:
-        t.mul_(state.value / state.world)
-    return dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0])
-
-
-def attach(model: nn.Module, plan: BatchPlan) -> None:
-    """Register the weighted all-reduce on the DDP model when a step's shares are unequal."""
-    weight = getattr(plan.train, "weight", None)
-    lay = getattr(plan.train, "lay", None)
-    if weight is None or lay is None or all(w == 1.0 for w in lay.weights):
-        return
-    model.register_comm_hook(weight, _weighted_allreduce)  # type: ignore[operator]

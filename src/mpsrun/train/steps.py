@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
+from mpsrun.train import distributed
 from mpsrun.train.data import BatchPlan, ResidentBatches
 from mpsrun.train.objective import Objective, micro_batches
 
@@ -120,13 +121,17 @@ class Trainer:
         self.model.train()
         seen = 0
         every = self.options.log_every
-        if self.objective.accumulate > 1:
-            bs = getattr(plan.train, "batch_size", None) or plan.train.loader.batch_size  # type: ignore[union-attr]
+        share = getattr(plan.train, "weight", None)  # a DDP rank: its share's loss weight per step (train/shards.py)
+        if self.objective.accumulate > 1:  # groups of global batches, as one process makes them
+            bs = getattr(plan.train, "global_batch", None) or getattr(plan.train, "batch_size", None) or plan.train.loader.batch_size  # type: ignore[union-attr]
             groups: Any = micro_batches(plan.train.samples, bs, self.objective.accumulate)
         else:
             groups = itertools.repeat((1.0, True, True))
         for step, ((x, y), (weight, first, last)) in enumerate(zip(plan.train, groups), start=1):
-            self.train_step(x, y, weight=weight, first=first, last=last)
+            if share is not None:
+                weight *= share.value  # set by the batches' iterator for this very step
+            with distributed.no_sync(self.model, skip=not last):  # DDP all-reduces once per optimizer step
+                self.train_step(x, y, weight=weight, first=first, last=last)
             seen += y.shape[0]
             loss = self.loss_sum.item() / seen if every and step % every == 0 else None
             listener.on_step(epoch, step, seen, loss)
