@@ -388,3 +388,24 @@ def test_helper_that_dies_mid_run_loses_no_metric_and_the_run_goes_on(work) -> N
     assert [(m.step, m.value) for m in c.get_metric_history(info.run_id, "loss")] == [(0, 1.0), (1, 0.5), (2, 0.25)]
     assert run.data.tags["after"] == "yes" and run.data.tags["x"] == "1"
     assert "helper died" in run.data.tags["mpsrun.mlflow_helper"]
+
+
+def test_posted_calls_never_fill_the_pipe_and_a_failed_one_is_raised(work) -> None:  # type: ignore[no-untyped-def]
+    """Metrics and tags are posted without waiting; over a pipe's worth of them neither blocks nor is lost,
+    and a posted call the helper refused is raised by the next call that waits."""
+    from mpsrun.track import background
+
+    t = background.start(work.uri, "posted", mode="process")
+    info = t.start("r", {})
+    for i in range(1500):  # ~3x MAX_POSTED... and more answers than fit in a pipe unread
+        t.log_metrics({"m": float(i)}, step=i)
+    t.flush()
+    t.set_tags({"k": "x" * 10})
+    t.log_params({"p": 1})
+    t.log_params({"p": 2})  # MLflow refuses to change a param: raised by the next call that waits
+    with pytest.raises(Exception, match="p"):
+        t.flush()
+    t.finish("FINISHED")
+    c = work.client()
+    assert len(c.get_metric_history(info.run_id, "m")) == 1500
+    assert c.get_run(info.run_id).data.tags["k"] == "x" * 10

@@ -34,17 +34,14 @@ same timestamp: MLflow keeps one copy of an identical metric), says so in a note
 from __future__ import annotations
 
 import os
-import pickle
 import platform
-import struct
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, Callable
 
 from mpsrun.track import store
+from mpsrun.track.pipe import _HelperGone, _Remote, _RemoteError
 
 ENV_MODE = "MPSRUN_MLFLOW_HELPER"
 MODES = ("auto", "process", "thread", "inline")
@@ -142,9 +139,20 @@ class BackgroundTracker:
                 self._take_over(e)
         return getattr(self._need(), method)(*args)
 
+    def _post(self, method: str, *args: Any) -> None:
+        """A call whose answer nobody waits for (a failure is raised by the next call that waits)."""
+        if self._remote is not None:
+            try:
+                self._remote.post(method, *args)
+                return
+            except _HelperGone as e:
+                self._take_over(e)
+        getattr(self._need(), method)(*args)
+
     def _take_over(self, why: BaseException) -> None:
         """The helper died: open the store here, continue the same run, write every metric again."""
         remote, self._remote = self._remote, None
+        redo = remote.unconfirmed() if remote is not None else []
         if remote is not None:
             remote.close(wait=False)
         self.mode, self.mode_reason = "inline", f"process helper died ({why}); the store was opened in the training process"
@@ -156,6 +164,9 @@ class BackgroundTracker:
         tracker.set_tags({**self._tags, "mpsrun.mlflow_helper": f"process (helper died: {why}); went on in the training process"})
         for metrics, step, ts in self._journal:  # identical (key, value, step, timestamp): stored once
             tracker.log_metrics(metrics, step, ts)
+        for method, args in redo:  # posted, perhaps never written: tags, params and texts are idempotent
+            if method != "log_metrics":
+                getattr(tracker, method)(*args)
         tracker.sync()
 
     # -- the Tracker surface the runner uses; anything else is forwarded by __getattr__
@@ -192,8 +203,41 @@ class BackgroundTracker:
         t = time.perf_counter()
         entry = ({k: float(v) for k, v in metrics.items()}, step, timestamp_ms or int(time.time() * 1000))
         self._journal.append(entry)
-        self._call("log_metrics", *entry)
+        self._post("log_metrics", *entry)
         self._handoff_s += time.perf_counter() - t
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        if self._remote is None:
+            return self._need().set_tags(tags)
+        self._post("set_tags", {k: str(v) for k, v in tags.items()})
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        if self._remote is None:
+            return self._need().log_params(params)
+        self._post("log_params", params)
+
+    def log_text(self, text: str, name: str) -> None:
+        if self._remote is None:
+            return self._need().log_text(text, name)
+        self._post("log_text", text, name)
+
+    def hook_later(self, name: str, *args: Any) -> Callable[[], Any]:
+        """A record hook started now, its answer read when asked for (the helper draws while this process exports)."""
+        if self._remote is not None:
+            try:
+                p = self._remote.post("hook", name, *args)
+            except _HelperGone as e:
+                self._take_over(e)
+            else:
+                def answer() -> Any:
+                    try:
+                        return p.result()
+                    except _HelperGone as e:
+                        self._take_over(e)
+                        return self._need().hook(name, *args)
+                return answer
+        value = self.hook(name, *args)
+        return lambda: value
 
     @property
     def handoff_time_s(self) -> float:
@@ -290,98 +334,3 @@ class BackgroundTracker:
         if kind[0]:
             return lambda *a: self._call(name, *a)
         return kind[1]
-
-
-# ----------------------------------------------------------------------------- the helper process's pipe
-
-
-class _RemoteError(Exception):
-    """An exception raised in the helper, carried back as its type name, message and traceback.
-
-    Not unpickled as its own class: that would import mlflow here, which is what the helper avoids.
-    """
-
-    def __init__(self, type_name: str, message: str, tb: str) -> None:
-        super().__init__(f"{type_name}: {message}")
-        self.type_name, self.remote_traceback = type_name, tb
-
-
-class _HelperGone(_RemoteError):
-    """The helper process ended (or its pipe broke): nothing it answers any more."""
-
-
-def send(stream: BinaryIO, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(struct.pack(">Q", len(data)) + data)
-    stream.flush()
-
-
-def receive(stream: BinaryIO) -> Any:
-    head = stream.read(8)
-    if len(head) < 8:
-        raise EOFError("the MLflow helper process closed its pipe")
-    (n,) = struct.unpack(">Q", head)
-    data = stream.read(n)
-    if len(data) < n:
-        raise EOFError("the MLflow helper process closed its pipe mid-message")
-    return pickle.loads(data)
-
-
-class _Remote:
-    """The helper process and its request/reply pipe; one call at a time."""
-
-    def __init__(self, uri: str, experiment: str, artifact_root: str | None) -> None:
-        args = [sys.executable, "-m", "mpsrun.track.helper", uri, experiment, artifact_root or ""]
-        # Own session: a Ctrl-C at the terminal reaches the main process only, which then
-        # marks the run KILLED through this helper. stderr is shared (MLflow's own notes).
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
-        self._lock = threading.Lock()
-        self._kinds: dict[str, bool] = {}
-
-    def call(self, method: str, *args: Any) -> Any:
-        return self._request(("call", method, args))
-
-    def kind(self, name: str) -> tuple[bool, Any]:
-        """(True, None) for a method of the helper's Tracker, else (False, the attribute's value)."""
-        if self._kinds.get(name):
-            return True, None
-        is_method, value = self._request(("get", name))
-        if is_method:
-            self._kinds[name] = True
-        return is_method, value
-
-    def values(self) -> dict[str, Any]:
-        """The helper's Tracker's plain attributes (numbers, strings), read once before it ends."""
-        return self._request(("vars", "", ()))
-
-    def _request(self, msg: tuple) -> Any:
-        with self._lock:
-            if self.proc.stdin is None or self.proc.stdin.closed:
-                raise _RemoteError("RuntimeError", "the MLflow helper process has been closed", "")
-            try:
-                send(self.proc.stdin, msg)  # type: ignore[arg-type]
-                ok, value = receive(self.proc.stdout)  # type: ignore[arg-type]
-            except (EOFError, BrokenPipeError, OSError) as e:
-                try:
-                    code: Any = self.proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    code = "killed: its pipe broke"
-                raise _HelperGone("RuntimeError", f"the MLflow helper process ended (exit {code}): {type(e).__name__}", "") from None
-        if not ok:
-            raise _RemoteError(*value)
-        return value
-
-    def close(self, wait: bool = True) -> None:
-        with self._lock:
-            if self.proc.stdin is not None and not self.proc.stdin.closed:
-                try:
-                    self.proc.stdin.close()  # EOF: the helper flushes and exits
-                except OSError:
-                    pass
-            if not wait:
-                return
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()

@@ -24,7 +24,7 @@ import traceback
 from typing import Any
 
 from mpsrun.track import hooks, store
-from mpsrun.track.background import receive, send
+from mpsrun.track.pipe import receive, send
 
 
 WARM_ENV = "MPSRUN_HELPER_WARM"  # 0: no imports ahead of need (for measuring what warming buys)

@@ -103,6 +103,14 @@ def hook(tracker: Any, name: str, *args: Any) -> Any:
     return getattr(hooks, name)(tracker, *args)  # a bare stand-in with `.c` and `.run_id` (tests)
 
 
+def hook_later(tracker: Any, name: str, *args: Any) -> Any:
+    """`hook`, its answer read when called: with the helper process, it works while this process goes on."""
+    if hasattr(type(tracker), "hook_later"):
+        return tracker.hook_later(name, *args)
+    value = hook(tracker, name, *args)
+    return lambda: value
+
+
 def begin(tracker: "Tracker", setup: "Setup", system_metrics: bool = True) -> Recorder:
     """Experiment kind, standard tags, dataset inputs, and the system-metrics monitor."""
     rec = Recorder(tracker, setup)
@@ -185,12 +193,20 @@ def end(rec: Recorder, result: "TrainResult") -> None:
         predictions: Any = predict_val(setup)
     except Exception as e:  # the learning curves are still drawn
         predictions = f"{type(e).__name__}: {e}"
-    rec.notes += hook(tracker, "end_figures", [e.metrics() for e in result.epochs], title, predictions, _classes(setup))
-    rec.timings["figures_time_s"] = time.perf_counter() - t0
+    drawn = hook_later(tracker, "end_figures", [e.metrics() for e in result.epochs], title, predictions, _classes(setup))
     summary = result.summary()
     tracker.set_tags({"mlflow.note.content": standard.note(r.model.name, r.dataset.name, str(setup.choice.device), len(result.epochs), summary, result.stop_reason)})
-    if not r.tracking.log_model:
-        return
+    try:
+        if r.tracking.log_model:  # exported here while the helper draws
+            _log_model(rec, result)
+    finally:
+        rec.notes += drawn()
+        rec.timings["figures_time_s"] = time.perf_counter() - t0  # with the helper: until drawn, beside the model
+
+
+def _log_model(rec: Recorder, result: "TrainResult") -> None:
+    setup, tracker = rec.setup, rec.tracker
+    r = setup.resolved.recipe
     dists = {"mpsrun": _mpsrun_version()}
     for kind, name in (("model", r.model.name), ("dataset", r.dataset.name)):
         ref = _plugin(kind, name)
