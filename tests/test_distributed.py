@@ -142,6 +142,15 @@ def test_nproc_2_is_one_run_on_the_single_process_trajectory(work) -> None:  # t
     assert ddp.data.tags["mpsrun.model_uri"] == f"runs:/{ddp.info.run_id}/model"  # logged once, by rank 0
     assert {"distributed_ranks.json", "figures", "recipe.yaml"} <= {f.path for f in work.client().list_artifacts(ddp.info.run_id)}
 
+    # `--nproc 1` resumes the 2-rank run in one process, saying why the trajectory stays the same
+    more = work.cli("resume", ddp.info.run_id, "epochs=4", "--nproc", "1", "-q")
+    assert more.exit_code == 0, more.output
+    said = " ".join(more.stdout.split())
+    assert "trained on 2 ranks" in said and "resuming on one process" in said and "batch_size stays the global batch" in said
+    t = work.client().get_run(ddp.info.run_id).data.tags
+    assert t["distributed.world_size"] == "1" and "world size 2 -> 1" in t["mpsrun.resume.1"]
+    assert [s for s, _ in work.history(ddp.info.run_id, "val_loss")] == [0, 1, 2, 3]
+
 
 def test_accumulate_under_nproc_2_follows_the_single_process_run(work) -> None:  # type: ignore[no-untyped-def]
     """accumulate: 3 (groups of 3 global batches of 32; the epoch's last group ends on the shared tail of 29)."""

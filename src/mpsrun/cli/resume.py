@@ -56,7 +56,7 @@ def resume(
     world = nproc or p.world_size
     note = resumemod.world_note(p.world_size, world)
     if note:
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
+        console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     if world == 1:
         return _resume(uri, run_id, overrides or [], tracking_uri, quiet, p)
     from mpsrun.cli.ranks import start_job
