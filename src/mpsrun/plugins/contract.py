@@ -53,7 +53,9 @@ class ImageTransform:
 
     Doing it per batch on the accelerator replaces per-sample PIL/ToTensor work on
     the CPU, which is what makes hand-written loops slow. Picklable, so the
-    DataLoader path works with the spawn start method too.
+    DataLoader path works with the spawn start method too. Batches that are not
+    images ((N, F), (N, C, L)) are scaled and normalised along dimension 1 and keep
+    their shape; `resize` and `rgb` need (N, C, H, W).
     """
 
     scale: float = 1.0 / 255.0

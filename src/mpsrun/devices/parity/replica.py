@@ -21,9 +21,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from mpsrun.devices import resolve as devices
 from mpsrun.devices.parity.tolerance import FLOORS, NOISE_CAPS, NOISE_FACTOR, Tolerance, _host
+from mpsrun.plugins.registry import PluginError
 from mpsrun.recipe.load import Resolved
 from mpsrun.recipe.model import DEVICE_PATTERN
-from mpsrun.plugins.registry import PluginError
 from mpsrun.train import runner
 from mpsrun.train.losses import TaskLoss, build_loss
 
