@@ -20,7 +20,7 @@ from mpsrun.plugins.components import METRICS
 from mpsrun.plugins.contract import DataSplits
 from mpsrun.recipe.model import Recipe
 from mpsrun.recipe.problems import did_you_mean
-from mpsrun.train import schedulers
+from mpsrun.train import distributed, schedulers
 from mpsrun.train.callbacks import Callback
 from mpsrun.train.data import BatchPlan
 from mpsrun.train.losses import build_loss
