@@ -27,18 +27,17 @@ from tests.conftest import RECIPES, run_subprocess
 
 HEAVY = ("torch", "mlflow", "torchvision", "sklearn", "pandas", "matplotlib")
 
-# Runs the real CLI in a fresh interpreter and reports which heavy modules it imported.
+# Runs the real CLI in a fresh interpreter and reports which heavy modules it imported: at exit
+# (`mpsrun run` ends without Python's finalisation, but runs the atexit handlers first).
 PROBE = """
-import json, sys
+import atexit, json, sys
 sys.argv = ["mpsrun", *json.loads(sys.argv[1])]
+def report():
+    sys.stdout.flush()
+    print("\\nPROBE " + json.dumps({"heavy": [m for m in %r if m in sys.modules]}), file=sys.stderr, flush=True)
+atexit.register(report)
 from mpsrun.cli import main
-code = 0
-try:
-    main()
-except SystemExit as e:
-    code = e.code or 0
-sys.stdout.flush()
-print("\\nPROBE " + json.dumps({"code": code, "heavy": [m for m in %r if m in sys.modules]}), file=sys.stderr)
+main()
 """ % (HEAVY,)
 
 
@@ -48,7 +47,7 @@ def probe(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> tupl
     p = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args)], cwd=cwd, capture_output=True, text=True, env=e, timeout=600)
     line = [ln for ln in p.stderr.splitlines() if ln.startswith("PROBE ")]
     assert line, p.stdout + p.stderr
-    return json.loads(line[-1][6:]), p.stdout + p.stderr
+    return {"code": p.returncode, **json.loads(line[-1][6:])}, p.stdout + p.stderr
 
 
 # ----------------------------------------------------------------------------- imports

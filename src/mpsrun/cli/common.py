@@ -14,6 +14,10 @@ from typing import Iterator
 import typer
 from rich.console import Console
 
+# Set by `mpsrun run` once its run has begun: the console entry point (`main`) then ends the process
+# without Python's finalisation once the command is over (cli/__init__.py `_end`).
+END_WITHOUT_FINALISATION = False
+
 app = typer.Typer(
     name="mpsrun",
     help="Train what a YAML recipe declares on MPS, CUDA or CPU, with honest timings, tracked in MLflow.",

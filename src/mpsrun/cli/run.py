@@ -85,6 +85,9 @@ def run(
     from mpsrun.track.background import TrackingSetupError
     from mpsrun.train import interrupt
 
+    import mpsrun.cli.common as cli_common
+
+    cli_common.END_WITHOUT_FINALISATION = tracker is not None  # records complete when the command ends (helper's `finish` answered)
     try:
         with interrupt.stop_on_signals():  # SIGINT/SIGTERM: checkpoint, flush, KILLED, exit 130/143
             summary = runner.execute(setup, tracking_uri, progress, tracker=tracker)
