@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler, Subset
 
 from mpsrun.train import distributed
