@@ -47,6 +47,11 @@ def test_eval_of_a_regression_run_reports_its_val_metrics_in_target_units_and_no
         assert m[f"eval_{k}"] == pytest.approx(_at(work, rid, f"val_{k}", best), rel=1e-5), k
     assert 3.0 < m["eval_mae"] < 12.0  # the charge's units (standardised errors would be ~0.3)
     assert "predicted_vs_true.png" in {a.path.split("/")[-1] for a in work.client().list_artifacts(ev.info.run_id, "figures")}
+    # resume trains on and ends with the regression headline (it once raised KeyError: final_val_accuracy)
+    r = work.cli("resume", rid, "epochs=4", "-q")
+    assert r.exit_code == 0, r.output
+    assert "val_r2" in r.stdout and "val_acc" not in r.stdout
+    assert [s for s, _ in work.history(rid, "val_r2")] == [0, 1, 2, 3]
 
 
 class _LostUpdate(parity.Replica):

@@ -130,8 +130,10 @@ def _resume(uri: str, run_id: str, overrides: list[str], tracking_uri: Optional[
             raise typer.Exit(EXIT_FAIL) from None
     finally:
         shutil.rmtree(p.workdir, ignore_errors=True)
+    from mpsrun.train.progress import quality  # the task's headline: accuracy, or R^2 and MAE
+
     s = summary.result.summary()
-    console.print(f"done: val_acc {s['final_val_accuracy']:.4f}  val_loss {s['final_val_loss']:.4f}", highlight=False)
+    console.print(f"done: {quality(summary.result.epochs[-1])}  val_loss {s['final_val_loss']:.4f}", highlight=False)
     console.print(f"MLflow: {summary.run.ui_hint()}  (browse: mpsrun ui)", highlight=False)
 
 
