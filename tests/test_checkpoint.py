@@ -263,3 +263,27 @@ def test_resume_a_diverged_run_with_another_learning_rate(work: Any) -> None:
     assert sorted(s for s, _ in hist) == [0, 1, 1, 2]
     assert sum(1 for s, v in hist if s == 1 and math.isfinite(v)) == 1
     assert all(math.isfinite(v) for s, v in hist if s == 2)
+
+
+def test_an_epoch_whose_metrics_landed_without_its_checkpoint_is_not_logged_twice(work: Any) -> None:
+    """The stop that falls between an epoch's metrics (durable first) and its checkpoint.
+
+    Made exact here: a finished 2-epoch run gets a third epoch's metrics logged by hand, as
+    a run killed after writing them but before its checkpoint would leave it. Resuming to 3
+    epochs trains that epoch again from checkpoint 2 and must not log it a second time.
+    """
+    work.write("q.yaml", DIGITS)
+    r = work.cli("run", "q.yaml", "epochs=2", "-q")
+    assert r.exit_code == 0, r.output
+    (run,) = work.runs("quick")
+    rid = run.info.run_id
+    work.client().log_batch(rid, metrics=[
+        __import__("mlflow").entities.Metric(k, v, 0, 2) for k, v in (("val_loss", 0.123), ("mpsrun/epochs_done", 3.0))
+    ])
+    r = work.cli("resume", rid, "epochs=3")
+    assert r.exit_code == 0, r.output
+    assert "epoch 3's metrics reached the run before the stop" in r.output
+    got = sorted(work.history(rid, "val_loss"))
+    assert [s for s, _ in got] == [0, 1, 2] and got[2][1] == 0.123  # once, as it landed
+    assert sorted(s for s, _ in work.history(rid, "mpsrun/epochs_done")) == [0, 1, 2]
+    assert work.client().get_run(rid).info.status == "FINISHED"

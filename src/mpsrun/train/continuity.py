@@ -31,6 +31,7 @@ class ResumePoint:
     best_file: Path | None = None
     overrides: list[str] = field(default_factory=list)
     world_size: int = 1  # the ranks the run trained on before (its `distributed.world_size` tag)
+    landed: frozenset[int] = frozenset()  # epochs past the checkpoint whose metrics reached the store before the stop
 
     @property
     def start_epoch(self) -> int:

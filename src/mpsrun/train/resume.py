@@ -106,7 +106,23 @@ def plan(uri: str, run_id: str, overrides: list[str], checkpoint: bool = True, f
     if status == "FINISHED" and not any(o.startswith("epochs=") for o in overrides):
         raise ResumeRefused(f"run {run_id} is FINISHED; pass epochs=N with N > {done} to train more")
     best = fetch("checkpoints/best.pt")
-    return Plan(resolved, ResumePoint(run_id, state, best, list(overrides), world), exp, status, work, world)
+    landed = _landed_after(files, run_id, done)
+    return Plan(resolved, ResumePoint(run_id, state, best, list(overrides), world, landed), exp, status, work, world)
+
+
+def _landed_after(files: RunFiles, run_id: str, done: int) -> frozenset[int]:
+    """Epochs at or after `done` whose per-epoch metrics are already in the run.
+
+    An epoch's metrics are made durable before its checkpoint is written (so a checkpoint
+    never runs ahead of its metrics); a stop between the two leaves that epoch's metrics
+    in the store and its checkpoint not. The resumed run trains that epoch again along
+    the same trajectory and must not log it a second time.
+    """
+    try:
+        history = files.c.get_metric_history(run_id, "mpsrun/epochs_done")
+    except Exception:  # an older run without the metric, or a store that does not answer: log as usual
+        return frozenset()
+    return frozenset(int(m.step) for m in history if int(m.step) >= done)
 
 
 def files_from_env() -> Path | None:

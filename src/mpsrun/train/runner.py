@@ -304,11 +304,18 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
 
         tracker.log_text(json.dumps(setup.splits.info, indent=2, default=str), "data_info.json")
 
+    landed = resume.landed if resume is not None else frozenset()
+
     class _Log(Listener):
         def on_epoch_end(self, m):  # type: ignore[no-untyped-def]
+            if m.epoch in landed:  # logged before the stop, its checkpoint not (train/resume.py: _landed_after)
+                return
             tracker.log_metrics({**m.metrics(), "mpsrun/epochs_done": m.epoch + 1}, step=m.epoch)
 
     listeners = Listeners(listener, _Log())
+    if landed:
+        listeners.on_note(f"resume: epoch {', '.join(str(e + 1) for e in sorted(landed))}'s metrics reached the run before the stop "
+                          "but not its checkpoint; trained again from the checkpoint, not logged twice")
     for note in setup.notes + setup.options.notes + rec.notes:
         listeners.on_note(note)
     setup.notes.extend(rec.notes)
