@@ -29,6 +29,7 @@ from mpsrun.track import datasets as track_datasets
 from mpsrun.track import hooks, model_log, standard
 from mpsrun.train.callbacks import Callback, RunState
 from mpsrun.train.data import raw_tensors
+from mpsrun.train.metrics import target_units
 
 if TYPE_CHECKING:
     from mpsrun.track.store import Tracker
@@ -191,6 +192,8 @@ def end(rec: Recorder, result: "TrainResult") -> None:
     title = _title(setup, tracker)
     try:
         predictions: Any = predict_val(setup)
+        if setup.objective is not None and setup.objective.task == "regression":  # the figure in the target's units
+            predictions = target_units(*predictions, setup.splits.info or {})
     except Exception as e:  # the learning curves are still drawn
         predictions = f"{type(e).__name__}: {e}"
     drawn = hook_later(tracker, "end_figures", [e.metrics() for e in result.epochs], title, predictions, _classes(setup))
