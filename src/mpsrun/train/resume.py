@@ -106,7 +106,8 @@ def plan(uri: str, run_id: str, overrides: list[str], checkpoint: bool = True, f
     if status == "FINISHED" and not any(o.startswith("epochs=") for o in overrides):
         raise ResumeRefused(f"run {run_id} is FINISHED; pass epochs=N with N > {done} to train more")
     best = fetch("checkpoints/best.pt")
-    landed = _landed_after(files, run_id, done)
+    same_path = status in ("INTERRUPTED", "KILLED") and all(o.startswith("epochs=") for o in overrides)
+    landed = _landed_after(files, run_id, done) if same_path else frozenset()
     return Plan(resolved, ResumePoint(run_id, state, best, list(overrides), world, landed), exp, status, work, world)
 
 
@@ -116,7 +117,9 @@ def _landed_after(files: RunFiles, run_id: str, done: int) -> frozenset[int]:
     An epoch's metrics are made durable before its checkpoint is written (so a checkpoint
     never runs ahead of its metrics); a stop between the two leaves that epoch's metrics
     in the store and its checkpoint not. The resumed run trains that epoch again along
-    the same trajectory and must not log it a second time.
+    the same trajectory and must not log it a second time. Only asked where the path is
+    the same: a stopped run resumed without overrides other than `epochs=` (a FAILED run's
+    diverged epoch stays as evidence beside its retry, which logs its own figures).
     """
     try:
         history = files.c.get_metric_history(run_id, "mpsrun/epochs_done")
