@@ -70,13 +70,15 @@ class TritonKernels:
 class FastClip:
     """Clip by global 2-norm: one kernel for the norm (per 8 gradients), one foreach multiply."""
 
-    def __init__(self, model: nn.Module, max_norm: float, device: torch.device, kernels: Any = None) -> None:
+    def __init__(self, model: nn.Module, max_norm: float, peak: torch.Tensor, kernels: Any = None) -> None:
+        """`peak`: the 0-d device tensor that keeps the epoch's largest pre-clip norm (Objective.grad_norm)."""
+        device = peak.device
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.max_norm = float(max_norm)
         self.kernels = kernels if kernels is not None else TritonKernels()
         self.partials = torch.zeros(-(-len(self.params) // SLOTS) * PROGRAMS, device=device)
         self.counter = torch.zeros((), dtype=torch.int32, device=device)
-        self.peak = torch.zeros((), device=device)  # the epoch's largest pre-clip norm
+        self.peak = peak
         self.inv = torch.ones((), device=device)  # min(max_norm / norm, 1)
 
     def clip(self) -> None:
@@ -86,12 +88,6 @@ class FastClip:
             return
         self.kernels.clip_norm(grads, self.partials, self.counter, self.peak, self.inv, self.max_norm)
         torch._foreach_mul_(grads, self.inv)
-
-    def read_peak(self) -> float:
-        """The epoch's largest pre-clip norm; resets it."""
-        value = self.peak.item()
-        self.peak.zero_()
-        return value
 
 
 def usable(model: nn.Module, device: torch.device, norm_type: float, fp16_scaler: bool, world_size: int) -> str | None:

@@ -34,7 +34,7 @@ class Objective:
     accumulate: int = 1
     grad_norm: torch.Tensor | None = None  # the epoch's largest pre-clip norm, on the device
     after_step: list[Callable[[], None]] = field(default_factory=list)  # per optimizer step, eager only (a per-step LR schedule)
-    clipper: FastClip | None = None  # the two-kernel clip (train/clipping.py), where exact
+    clipper: FastClip | None = None  # the Triton clip (train/clipping.py), where exact; keeps its max in grad_norm
 
     def attach(self, model: nn.Module, device: torch.device, fp16_scaler: bool, world_size: int, kernels: Any = None) -> str:
         """Choose how to clip (one Triton kernel + one multiply where exact, torch's clip elsewhere) and say which, for the run's notes.
@@ -47,7 +47,8 @@ class Objective:
         why = None if kernels is not None else usable(model, device, self.norm_type, fp16_scaler, world_size)
         if why is not None:
             return f"grad_clip: torch.nn.utils.clip_grad_norm_ ({why})"
-        self.clipper = FastClip(model, self.max_norm, device, kernels)
+        assert self.grad_norm is not None
+        self.clipper = FastClip(model, self.max_norm, self.grad_norm, kernels)
         return "grad_clip: global norm in one Triton kernel, then one foreach multiply"
 
     @classmethod
@@ -57,8 +58,6 @@ class Objective:
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         extra = (self.grad_norm,) if self.grad_norm is not None else ()
-        if self.clipper is not None:
-            extra = (*extra, self.clipper.peak)
         return (*self.metrics.tensors(), *extra)
 
     def clip(self, model: nn.Module) -> None:
@@ -76,8 +75,6 @@ class Objective:
         """The training-side figures of an epoch (read once, at its end) and reset for the next."""
         if self.grad_norm is None:
             return {}
-        if self.clipper is not None:
-            return {"grad_norm": self.clipper.read_peak()}
         value = self.grad_norm.item()
         self.grad_norm.zero_()
         return {"grad_norm": value}
