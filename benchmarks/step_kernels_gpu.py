@@ -9,7 +9,12 @@ The fashion recipe's step (784-512-512-10 MLP, batch 64, SGD) replayed as graphs
 - clip:torch: torch.nn.utils.clip_grad_norm_ (foreach) + the running max of the norm;
 - clip:mpsrun: Objective.clip's torch path (clip_grad_norm_ + running max);
 - clip:fast: train/clipping.FastClip (one Triton kernel, one foreach multiply);
+- clip:fold: train/clip_sgd.ClipSGD, the clip folded into SGD's own kernel (one launch;
+  `split`: the same code in two launches; `b1024`/`b4096`: other block sizes);
 - combinations.
+
+`--profile` also prints the CUDA kernels of a few replays of the base and folded graphs
+(torch.profiler), to say where the step's time goes.
 
 Each variant replays REPLAYS graphs after a warm-up; median of ROUNDS interleaved
 rounds; prints microseconds per step and the ratio to base.
@@ -29,6 +34,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, "src")
+from mpsrun.train import clipping  # noqa: E402
 from mpsrun.train.objective import Objective  # noqa: E402
 from mpsrun.train.schedulers import tensor_lr  # noqa: E402
 
@@ -48,7 +54,7 @@ def build(lr_mode: str, clip_mode: str, dev: torch.device) -> tuple[Callable[[],
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, fused=True)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        if lr_mode == "tensorsgd":
+        if lr_mode in ("tensorsgd", "tensor"):  # "tensor": what controls.py does (fused SGD on CUDA)
             tensor_lr(opt, dev)
     obj = Objective.default(dev)
     if clip_mode != "none":
@@ -56,6 +62,15 @@ def build(lr_mode: str, clip_mode: str, dev: torch.device) -> tuple[Callable[[],
         obj.grad_norm = torch.zeros((), device=dev)
     if clip_mode == "fast":
         print(name_of(lr_mode, clip_mode), obj.attach(model, dev, False, 1))
+    if clip_mode.startswith("fold"):  # ClipSGD: the kernel's launch mode and block size from the variant's name
+        mode = 1 if "split" in clip_mode else 0
+        block = 1024 if "b1024" in clip_mode else 4096 if "b4096" in clip_mode else 2048
+
+        class Knobs(clipping.TritonKernels):
+            def clip_sgd(self, *a, **k):  # type: ignore[no-untyped-def]
+                return super().clip_sgd(*a, mode=mode, block=block, **k)
+
+        print(name_of(lr_mode, clip_mode), obj.attach(model, dev, False, 1, kernels=Knobs(), optimizer=opt))
     loss_sum = torch.zeros((), device=dev)
     xs = torch.rand(K, B, 1, 28, 28, device=dev)
     ys = torch.randint(0, 10, (K, B), device=dev)
@@ -64,7 +79,7 @@ def build(lr_mode: str, clip_mode: str, dev: torch.device) -> tuple[Callable[[],
         if clip_mode == "torch":
             total = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
             torch.maximum(obj.grad_norm, total.detach().float(), out=obj.grad_norm)
-        elif clip_mode in ("mpsrun", "fast"):
+        elif clip_mode in ("mpsrun", "fast") or clip_mode.startswith("fold"):
             obj.clip(model)
         elif clip_mode == "lean":
             grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -108,6 +123,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--out")
+    ap.add_argument("--profile", action="store_true", help="also list the CUDA kernels of the base and folded graphs")
     a = ap.parse_args()
     dev = torch.device("cuda")
     variants = [
@@ -125,6 +141,12 @@ def main() -> int:
         ("clip:fast (foreach SGD)", "float", "fast"),
         ("clip:fast (fused SGD)", "fusedfloat", "fast"),
         ("lr:fused+clip:fast", "fused", "fast"),
+        ("lr:tensor (controls.py)", "tensor", "none"),
+        ("lr:tensor+clip:fold (controls.py)", "tensor", "fold"),
+        ("lr:tensor+clip:fold split", "tensor", "foldsplit"),
+        ("lr:tensor+clip:fold b1024", "tensor", "fold b1024"),
+        ("lr:tensor+clip:fold b4096", "tensor", "fold b4096"),
+        ("clip:fold (float rate)", "float", "fold"),
     ]
     graphs = {name: build(lr, clip, dev) for name, lr, clip in variants}
     times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
@@ -152,6 +174,18 @@ def main() -> int:
     for name, _, clip in variants:
         ref = "clip:torch" if clip not in ("none", "normonly") else "base"
         lines.append(f"| {name} (vs {ref}) | {(flat(name) - flat(ref)).abs().max().item():.2e} |")
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for name in ("base", "lr:tensor (controls.py)", "lr:fused+clip:fast", "lr:tensor+clip:fold (controls.py)"):
+            replay = graphs[name][0]
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    replay()
+                torch.cuda.synchronize()
+            lines += ["", f"### {name}: CUDA kernels of 10 replays ({10 * K} steps)", "```",
+                      prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70), "```"]
     text = "\n".join(lines)
     print(text)
     if a.out:

@@ -43,6 +43,34 @@ class TorchKernels:
         torch.maximum(peak, total, out=peak)
         torch.reciprocal(torch.clamp(total / max_norm, min=1.0), out=inv)
 
+    def clip_sgd(self, state: "SGDState", params: list[torch.Tensor], bufs: list[torch.Tensor] | None, group: dict[str, Any], **_: Any) -> None:
+        grads = [p.grad for p in params]
+        self.clip_norm(grads, state.partials, state.counters, state.peak, state.inv, state.max_norm)  # type: ignore[arg-type]
+        lr, m, wd = group["lr"], group["momentum"], group["weight_decay"]
+        for i, (p, g) in enumerate(zip(params, grads)):
+            d = g * state.inv  # type: ignore[operator]
+            if group["maximize"]:
+                d = -d
+            if wd:
+                d = d + wd * p
+            if bufs is not None:
+                b = bufs[i].mul_(m).add_(d)
+                d = d + m * b if group["nesterov"] else b
+            p.sub_(lr * d)
+
+
+class SGDState:
+    """What the clip-and-SGD kernel keeps between steps (train/clip_sgd.py)."""
+
+    def __init__(self, max_norm: float, peak: torch.Tensor, programs: int) -> None:
+        device = peak.device
+        self.max_norm = max_norm
+        self.peak = peak  # Objective.grad_norm: the epoch's largest pre-clip norm
+        self.partials = torch.zeros(programs, device=device)
+        self.counters = torch.zeros(2, dtype=torch.int32, device=device)  # arrivals, departures
+        self.inv = torch.ones((), device=device)
+        self.programs = programs  # the most programs one launch may have
+
 
 class TritonKernels:
     """The norm, its running max and 1/scale in one Triton kernel per 8 gradients (clip_kernels.py)."""
@@ -51,6 +79,7 @@ class TritonKernels:
         from mpsrun.train import clip_kernels  # imports triton: CUDA machines only, and only when clipping
 
         self._kernel = clip_kernels.clip_norm
+        self._sgd = clip_kernels.clip_sgd
 
     def clip_norm(self, grads: list[torch.Tensor], partials: torch.Tensor, counter: torch.Tensor, peak: torch.Tensor, inv: torch.Tensor, max_norm: float) -> None:
         launches = -(-len(grads) // SLOTS)
@@ -67,6 +96,32 @@ class TritonKernels:
             )
 
 
+    def clip_sgd(self, state: SGDState, params: list[torch.Tensor], bufs: list[torch.Tensor] | None, group: dict[str, Any], mode: int = 0, block: int = 2048) -> None:
+        """Clip and SGD in one launch (mode 0) or two (1 then 2: the interpreter's way); see clip_kernels.clip_sgd."""
+        sizes = [p.numel() for p in params]
+        blocks = [-(-n // block) for n in sizes]
+        programs = max(1, min(state.programs, sum(blocks)))
+        starts = [sum(blocks[:k]) % programs for k in range(SLOTS)]
+        args: list[Any] = []
+        for k in range(SLOTS):
+            if k < len(params):
+                p = params[k]
+                args += [p, p.grad, bufs[k] if bufs is not None else p, sizes[k]]
+            else:
+                args += [params[0], params[0], params[0], 0]
+        lr = group["lr"]
+        lr_ptr = torch.is_tensor(lr)
+        flags = dict(
+            P=programs, BLOCK=block, PBLOCK=max(16, 1 << (programs - 1).bit_length()), LR_PTR=lr_ptr,
+            HAS_MOMENTUM=bufs is not None, NESTEROV=bool(group["nesterov"]), MAXIMIZE=bool(group["maximize"]),
+            HAS_WD=bool(group["weight_decay"]), num_warps=4 if block <= 1024 else 8,
+        )
+        head = [state.partials, state.counters, state.peak, state.inv, state.max_norm,
+                lr if lr_ptr else state.inv, 0.0 if lr_ptr else float(lr), float(group["momentum"]), float(group["weight_decay"])]
+        for m in ((0,) if mode == 0 else (1, 2)):
+            self._sgd[(programs,)](*head, *args, *starts[1:], MODE=m, **flags)
+
+
 class FastClip:
     """Clip by global 2-norm: one kernel for the norm (per 8 gradients), one foreach multiply."""
 
@@ -80,9 +135,12 @@ class FastClip:
         self.counter = torch.zeros((), dtype=torch.int32, device=device)
         self.peak = peak
         self.inv = torch.ones((), device=device)  # min(max_norm / norm, 1)
+        self.folded = False  # clip_sgd.fold: the optimizer's step clips, in its own kernel
 
     def clip(self) -> None:
         """After backward, before the optimizer step."""
+        if self.folded:
+            return
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return

@@ -108,11 +108,14 @@ def build(recipe: Recipe, splits: DataSplits, model: nn.Module, optimizer: torch
         grad_norm=torch.zeros((), device=device) if clip else None,
     )
     out = Controls(objective)
+    if recipe.scheduler is not None and options.graphs:
+        how = schedulers.tensor_lr(optimizer, device)
+        out.notes.append(f"scheduler: the learning rate is a device tensor the CUDA graphs read; {how}")
+    if clip is not None:  # before the scheduler: it may change the optimizer's class, whose step a scheduler binds
+        note = objective.attach(model, device, options.precision == "fp16", distributed.world_size(), optimizer=optimizer)
+        out.notes.append(note)
     if recipe.scheduler is not None:
         steps = -(-len(plan.train) // recipe.accumulate)  # optimizer steps per epoch
-        if options.graphs:
-            how = schedulers.tensor_lr(optimizer, device)
-            out.notes.append(f"scheduler: the learning rate is a device tensor the CUDA graphs read; {how}")
         try:
             sched, plateau = schedulers.build(recipe.scheduler, optimizer, steps)
         except schedulers.ScheduleError as e:
@@ -124,9 +127,6 @@ def build(recipe: Recipe, splits: DataSplits, model: nn.Module, optimizer: torch
             if plateau:
                 _check_monitor("scheduler.monitor", recipe.scheduler.monitor, objective)
             out.callbacks.append(schedulers.ScheduleCallback(sched, plateau, recipe.scheduler.monitor))
-    if clip is not None:
-        note = objective.attach(model, device, options.precision == "fp16", distributed.world_size())
-        out.notes.append(note)
     if recipe.early_stopping is not None:
         es = recipe.early_stopping
         _check_monitor("early_stopping.monitor", es.monitor, objective)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from mpsrun.train import clip_sgd
 from mpsrun.train.clipping import FastClip, usable
 from mpsrun.train.losses import TaskLoss
 from mpsrun.train.metrics import MetricSet
@@ -36,11 +37,14 @@ class Objective:
     after_step: list[Callable[[], None]] = field(default_factory=list)  # per optimizer step, eager only (a per-step LR schedule)
     clipper: FastClip | None = None  # the Triton clip (train/clipping.py), where exact; keeps its max in grad_norm
 
-    def attach(self, model: nn.Module, device: torch.device, fp16_scaler: bool, world_size: int, kernels: Any = None) -> str:
-        """Choose how to clip (one Triton kernel + one multiply where exact, torch's clip elsewhere) and say which, for the run's notes.
+    def attach(self, model: nn.Module, device: torch.device, fp16_scaler: bool, world_size: int, kernels: Any = None, optimizer: torch.optim.Optimizer | None = None) -> str:
+        """Choose how to clip and say which, for the run's notes.
 
-        `kernels` replaces the Triton kernels (the tests pass clipping.TorchKernels to
-        check the arithmetic on a machine without a GPU).
+        Where exact: torch's SGD clips inside its own step, in one Triton kernel
+        (clip_sgd.py); other optimizers get one Triton kernel for the norm and one
+        multiply (clipping.py); elsewhere torch's clip. `kernels` replaces the Triton
+        kernels (the tests pass clipping.TorchKernels to check the arithmetic on a
+        machine without a GPU). Call before a scheduler is built on `optimizer`.
         """
         if self.max_norm is None or self.clipper is not None:
             return ""
@@ -49,6 +53,11 @@ class Objective:
             return f"grad_clip: torch.nn.utils.clip_grad_norm_ ({why})"
         assert self.grad_norm is not None
         self.clipper = FastClip(model, self.max_norm, self.grad_norm, kernels)
+        if optimizer is not None:
+            why_not = clip_sgd.fold(optimizer, self.clipper)
+            if why_not is None:
+                return "grad_clip: the global norm and the SGD update in one Triton kernel (the clip folded into the optimizer's step)"
+            return f"grad_clip: global norm in one Triton kernel, then one foreach multiply (not folded into the optimizer: {why_not})"
         return "grad_clip: global norm in one Triton kernel, then one foreach multiply"
 
     @classmethod
