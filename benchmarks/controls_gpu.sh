@@ -54,7 +54,7 @@ for name in ("baseline", "cosine", "clip", "cosine+clip"):
     s = med(name, "steady_epoch_time_s")
     lines.append(
         f"| {name} | {s:.4f} | {s / base:.3f}x | {med(name, 'first_epoch_time_s'):.3f} | {r0.data.params.get('resolved.graphs')} | "
-        f"{med(name, 'final_val_accuracy'):.4f} | {med(name, 'test_accuracy'):.4f} | {r0.data.tags.get('mpsrun.notes', '')} |"
+        f"{med(name, 'final_val_accuracy'):.4f} | {med(name, 'test_accuracy'):.4f} | {r0.data.tags.get('mpsrun.notes', '').replace('|', ';')} |"
     )
 open(sys.argv[1], "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))

@@ -145,6 +145,9 @@ def test_clip_does_not_fold_where_it_would_not_be_sgd_exactly() -> None:
     assert "dampening" in why(lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, dampening=0.1))
     assert "group" in why(lambda m: torch.optim.SGD([{"params": m.body.parameters()}, {"params": [*m.a.parameters(), *m.b.parameters()]}], lr=0.1))
     assert "exactly" in why(lambda m: torch.optim.SGD(m.body.parameters(), lr=0.1))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MPSRUN_CLIP_FOLD", "0")
+        assert "MPSRUN_CLIP_FOLD=0" in why(lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
     deep = nn.Sequential(*[nn.Linear(4, 4) for _ in range(5)])  # 10 tensors: more than one launch's 8 slots
     assert "10 parameter tensors" in why(lambda m: torch.optim.SGD(m.parameters(), lr=0.1), deep)
 

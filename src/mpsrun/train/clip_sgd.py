@@ -13,10 +13,15 @@ cheap: a FastClip is in use (CUDA, 2-norm, float32, one process, no fp16 scaler)
 the optimizer is torch's SGD with one parameter group holding every trainable
 parameter, at most 8 of them (one launch's slots), dampening 0 whenever there is
 momentum, not differentiable. Everything else keeps FastClip + the optimizer.
+
+The grid-wide wait assumes every program of the launch is resident at once, which one
+program per SM gives on a GPU this process has to itself. `MPSRUN_CLIP_FOLD=0` turns the
+fold off (for a GPU partitioned in ways the SM count does not show); the notes say so.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -69,6 +74,8 @@ def why_not(optimizer: torch.optim.Optimizer, clipper: FastClip | None) -> str |
 
     if clipper is None:
         return "the clip runs through torch's clip_grad_norm_"
+    if os.environ.get("MPSRUN_CLIP_FOLD", "1") == "0":
+        return "MPSRUN_CLIP_FOLD=0"  # an escape hatch: a GPU shared so that one program per SM is not resident
     if type(optimizer) not in (torch.optim.SGD, TensorLRSGD):
         return f"{type(optimizer).__name__} is not torch's SGD"
     if len(optimizer.param_groups) != 1:

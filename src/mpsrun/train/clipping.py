@@ -1,5 +1,8 @@
 """Gradient clipping in two kernels on CUDA, for steps where kernel latency is the cost.
 
+With torch's SGD the clip goes further, into the optimizer's own kernel (clip_sgd.py);
+this is the path for every other optimizer, and the state and reference both share.
+
 Why not just `torch.nn.utils.clip_grad_norm_`: in a CUDA-graphed step of a small
 model each kernel costs about 4 us of latency, and torch's clip puts some nine of
 them in a row between backward and the optimizer (per-tensor norms in two, stack,
