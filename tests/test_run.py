@@ -15,7 +15,7 @@ TAGS = ("mpsrun.recipe", "device.requested", "device.type", "device.name", "torc
 
 def test_digits_recipe_acceptance(work) -> None:
     """The README's promise: the offline recipe trains and the default store holds the run."""
-    r = work.cli("run", RECIPES / "digits_mlp.yaml", "--quiet")
+    r = work.cli("run", RECIPES / "digits_mlp.yaml", "--quiet", helper=None)  # the default: a helper process
     assert r.exit_code == 0, r.output
     assert "epoch 20/20" in r.stdout and "steady epoch" in r.stdout
     runs = work.runs("digits_mlp")
