@@ -19,7 +19,7 @@ model: {{name: {model}}}
 optimizer: {{name: sgd, lr: 0.05}}
 matrix:
   optimizer.lr: [0.05, 0.1, 0.2]
-tracking: {{experiment: par}}
+tracking: {{experiment: par, log_model: false}}
 """
 
 SLOW = """\
