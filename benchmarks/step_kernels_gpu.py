@@ -36,7 +36,7 @@ from torch import nn
 sys.path.insert(0, "src")
 from mpsrun.train import clipping  # noqa: E402
 from mpsrun.train.objective import Objective  # noqa: E402
-from mpsrun.train.schedulers import tensor_lr  # noqa: E402
+from mpsrun.train.schedulers import late_momentum_buffers, tensor_lr  # noqa: E402
 
 K, B = 16, 64
 
@@ -53,8 +53,11 @@ def build(lr_mode: str, clip_mode: str, dev: torch.device) -> tuple[Callable[[],
     elif lr_mode == "fusedfloat":
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, fused=True)
     else:
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        if lr_mode in ("tensorsgd", "tensor"):  # "tensor": what controls.py does (fused SGD on CUDA)
+        # "tensor": what a run with a schedule builds (runner.build_optimizer: fused on CUDA) and controls.py does
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, fused=lr_mode == "tensor")
+        if lr_mode == "tensor":
+            opt.register_step_pre_hook(late_momentum_buffers)
+        if lr_mode in ("tensorsgd", "tensor"):
             tensor_lr(opt, dev)
     obj = Objective.default(dev)
     if clip_mode != "none":
