@@ -145,6 +145,14 @@ def test_clip_does_not_fold_where_it_would_not_be_sgd_exactly() -> None:
     assert "dampening" in why(lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, dampening=0.1))
     assert "group" in why(lambda m: torch.optim.SGD([{"params": m.body.parameters()}, {"params": [*m.a.parameters(), *m.b.parameters()]}], lr=0.1))
     assert "exactly" in why(lambda m: torch.optim.SGD(m.body.parameters(), lr=0.1))
+
+    frozen = Gated()
+    frozen.b.requires_grad_(False)  # a frozen head the optimizer holds but never steps: still folds
+    obj = Objective.default(CPU)
+    obj.max_norm, obj.grad_norm = 1.0, torch.zeros(())
+    opt = torch.optim.SGD(frozen.parameters(), lr=0.1)
+    assert "SGD update in one Triton kernel" in obj.attach(frozen, CPU, False, 1, kernels=clipping.TorchKernels(), optimizer=opt)
+    assert type(opt) is clip_sgd.ClipSGD
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MPSRUN_CLIP_FOLD", "0")
         assert "MPSRUN_CLIP_FOLD=0" in why(lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
