@@ -10,7 +10,7 @@ The fashion recipe's step (784-512-512-10 MLP, batch 64, SGD) replayed as graphs
 - clip:mpsrun: Objective.clip's torch path (clip_grad_norm_ + running max);
 - clip:fast: train/clipping.FastClip (one Triton kernel, one foreach multiply);
 - clip:fold: train/clip_sgd.ClipSGD, the clip folded into SGD's own kernel (one launch;
-  `split`: the same code in two launches; `b1024`/`b4096`: other block sizes);
+  `split`: the same code in two launches; `b1024`/`b4096`: other block sizes; `plain launch`: not a cooperative grid);
 - combinations.
 
 `--profile` also prints the CUDA kernels of a few replays of the base and folded graphs
@@ -36,7 +36,7 @@ from torch import nn
 sys.path.insert(0, "src")
 from mpsrun.train import clipping  # noqa: E402
 from mpsrun.train.objective import Objective  # noqa: E402
-from mpsrun.train.schedulers import tensor_lr  # noqa: E402
+from mpsrun.train.schedulers import late_momentum_buffers, tensor_lr  # noqa: E402
 
 K, B = 16, 64
 
@@ -53,8 +53,11 @@ def build(lr_mode: str, clip_mode: str, dev: torch.device) -> tuple[Callable[[],
     elif lr_mode == "fusedfloat":
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, fused=True)
     else:
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        if lr_mode in ("tensorsgd", "tensor"):  # "tensor": what controls.py does (fused SGD on CUDA)
+        # "tensor": what a run with a schedule builds (runner.build_optimizer: fused on CUDA) and controls.py does
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, fused=lr_mode == "tensor")
+        if lr_mode == "tensor":
+            opt.register_step_pre_hook(late_momentum_buffers)
+        if lr_mode in ("tensorsgd", "tensor"):
             tensor_lr(opt, dev)
     obj = Objective.default(dev)
     if clip_mode != "none":
@@ -70,7 +73,10 @@ def build(lr_mode: str, clip_mode: str, dev: torch.device) -> tuple[Callable[[],
             def clip_sgd(self, *a, **k):  # type: ignore[no-untyped-def]
                 return super().clip_sgd(*a, mode=mode, block=block, **k)
 
-        print(name_of(lr_mode, clip_mode), obj.attach(model, dev, False, 1, kernels=Knobs(), optimizer=opt))
+        knobs = Knobs()
+        if "plain" in clip_mode:  # an ordinary launch instead of a cooperative grid
+            knobs._cooperative = {}
+        print(name_of(lr_mode, clip_mode), obj.attach(model, dev, False, 1, kernels=knobs, optimizer=opt), knobs._cooperative)
     loss_sum = torch.zeros((), device=dev)
     xs = torch.rand(K, B, 1, 28, 28, device=dev)
     ys = torch.randint(0, 10, (K, B), device=dev)
@@ -143,6 +149,7 @@ def main() -> int:
         ("lr:fused+clip:fast", "fused", "fast"),
         ("lr:tensor (controls.py)", "tensor", "none"),
         ("lr:tensor+clip:fold (controls.py)", "tensor", "fold"),
+        ("lr:tensor+clip:fold plain launch", "tensor", "fold plain"),
         ("lr:tensor+clip:fold split", "tensor", "foldsplit"),
         ("lr:tensor+clip:fold b1024", "tensor", "fold b1024"),
         ("lr:tensor+clip:fold b4096", "tensor", "fold b4096"),

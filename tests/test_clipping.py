@@ -48,8 +48,8 @@ def train(
     model = Gated().to(device)
     kw: dict = {"weight_decay": 1e-3, **sgd}
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum, fused=fused, **kw)
-    if fused:  # as fuse_sgd leaves it on CUDA: a head that joins late gets a zero momentum buffer
-        opt.register_step_pre_hook(schedulers._late_momentum_buffers)
+    if fused:  # as runner.build_optimizer leaves it on CUDA: a head that joins late gets a zero momentum buffer
+        opt.register_step_pre_hook(schedulers.late_momentum_buffers)
     if tensor_rate:  # as controls.py does under graphs with a schedule: a device-tensor rate, then the clip
         opt.param_groups[0]["lr"] = torch.tensor(0.05, device=device)
     obj = Objective.default(device)
@@ -145,6 +145,14 @@ def test_clip_does_not_fold_where_it_would_not_be_sgd_exactly() -> None:
     assert "dampening" in why(lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, dampening=0.1))
     assert "group" in why(lambda m: torch.optim.SGD([{"params": m.body.parameters()}, {"params": [*m.a.parameters(), *m.b.parameters()]}], lr=0.1))
     assert "exactly" in why(lambda m: torch.optim.SGD(m.body.parameters(), lr=0.1))
+
+    frozen = Gated()
+    frozen.b.requires_grad_(False)  # a frozen head the optimizer holds but never steps: still folds
+    obj = Objective.default(CPU)
+    obj.max_norm, obj.grad_norm = 1.0, torch.zeros(())
+    opt = torch.optim.SGD(frozen.parameters(), lr=0.1)
+    assert "SGD update in one Triton kernel" in obj.attach(frozen, CPU, False, 1, kernels=clipping.TorchKernels(), optimizer=opt)
+    assert type(opt) is clip_sgd.ClipSGD
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MPSRUN_CLIP_FOLD", "0")
         assert "MPSRUN_CLIP_FOLD=0" in why(lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
@@ -162,12 +170,21 @@ def test_two_kernel_clip_is_not_used_where_it_would_be_wrong() -> None:
     assert "clip_grad_norm_" in obj.attach(model, CPU, False, 1) and obj.clipper is None
 
 
-def test_fuse_sgd_only_on_cuda_and_keeps_sgd_alone_elsewhere() -> None:
-    model = nn.Linear(3, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    assert schedulers.fuse_sgd(opt, CPU) is False
-    assert not opt.param_groups[0].get("fused")
+def test_sgd_is_built_fused_only_on_cuda_under_graphs_with_a_schedule() -> None:
+    params = list(nn.Linear(3, 2).parameters())
+    cuda, sgd = torch.device("cuda"), torch.optim.SGD
+    assert schedulers.fused_sgd(sgd, {"lr": 0.1, "momentum": 0.9}, params, cuda, graphs=True, scheduled=True)
+    assert not schedulers.fused_sgd(sgd, {"lr": 0.1}, params, CPU, graphs=True, scheduled=True)  # off CUDA
+    assert not schedulers.fused_sgd(sgd, {"lr": 0.1}, params, cuda, graphs=False, scheduled=True)  # eager reads a float
+    assert not schedulers.fused_sgd(sgd, {"lr": 0.1}, params, cuda, graphs=True, scheduled=False)  # no tensor rate needed
+    assert not schedulers.fused_sgd(sgd, {"lr": 0.1, "foreach": True}, params, cuda, graphs=True, scheduled=True)  # the user's choice
+    assert not schedulers.fused_sgd(sgd, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1}, params, cuda, graphs=True, scheduled=True)
+    assert not schedulers.fused_sgd(torch.optim.Adam, {}, params, cuda, graphs=True, scheduled=True)
+    assert not schedulers.fused_sgd(sgd, {"lr": 0.1}, [p.half() for p in params], cuda, graphs=True, scheduled=True)
+    opt = torch.optim.SGD(params, lr=0.1)  # plain SGD (what a CPU run builds) gets TensorLRSGD's foreach kernels
     assert "foreach" in schedulers.tensor_lr(opt, CPU) and type(opt) is schedulers.TensorLRSGD
+    fused = torch.optim.SGD(params, lr=0.1, fused=True)
+    assert "fused" in schedulers.tensor_lr(fused, CPU) and type(fused) is torch.optim.SGD
 
 
 def test_fused_sgd_with_a_tensor_rate_follows_a_schedule_like_plain_sgd() -> None:

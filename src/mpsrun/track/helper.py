@@ -23,8 +23,13 @@ import time
 import traceback
 from typing import Any
 
-from mpsrun.track import hooks, store
-from mpsrun.track.pipe import receive, send
+from mpsrun.track.pipe import BEAT_ENV, beat, receive, send
+
+if __name__ == "__main__" and os.environ.get(BEAT_ENV):  # first, before the imports below (a second or more):
+    # the training process takes a helper whose heartbeat stops for one that hangs (track/pipe.py)
+    threading.Thread(target=beat, args=(os.environ[BEAT_ENV],), name="mpsrun-helper-beat", daemon=True).start()
+
+from mpsrun.track import hooks, store  # noqa: E402
 
 
 WARM_ENV = "MPSRUN_HELPER_WARM"  # 0: no imports ahead of need (for measuring what warming buys)
@@ -108,6 +113,11 @@ def main(argv: list[str]) -> int:
     # Everything is written: skip tearing down torch, mlflow and SQLAlchemy module by module
     # (seconds), during which a caller reading this process's shared stderr would still wait.
     sys.stderr.flush()
+    if os.environ.get(BEAT_ENV):
+        try:
+            os.unlink(os.environ[BEAT_ENV])  # also removed by the training process; whoever is first
+        except OSError:
+            pass
     os._exit(0)
 
 

@@ -48,6 +48,17 @@ def warm(mark: Any = None) -> None:
         pass
     if mark is not None:
         mark("warm: a tiny figure")
+    # Logging the model checks its pip requirements against what is installed, and the first
+    # check maps every installed distribution to its modules: about a second on a machine
+    # with a large site-packages (the H100's), paid at the end of the run unless done here.
+    try:
+        from mlflow.utils import requirements_utils
+
+        requirements_utils._init_packages_to_modules_map()
+    except Exception:  # noqa: BLE001 - a private helper of mlflow's: without it the check builds the map itself
+        pass
+    if mark is not None:
+        mark("warm: installed distributions mapped")
 
 
 def begin(t: Any, recipe_path: str | None, dataset_name: str, splits: list[track_datasets.Split], source_path: str | None,

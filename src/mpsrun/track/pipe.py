@@ -3,16 +3,30 @@
 Length-prefixed pickles: requests on the helper's stdin, answers on its original stdout,
 in order. `_Remote` starts the helper and carries calls; `post` sends one without
 waiting for its answer (read before the next call's).
+
+A helper that hangs is treated as gone. It touches a heartbeat file every second from a
+thread of its own (`beat`); while this process waits for an answer it watches that file,
+and when the file has not changed for MPSRUN_HELPER_STALL_S seconds (default 60) of this
+process's monotonic clock (which stands still while a laptop sleeps), it kills the helper
+and raises `_HelperGone`: the caller opens the store itself and the run goes on. A helper
+busy on a long call (an upload) keeps beating and is waited for.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
+import select
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
-from typing import Any, BinaryIO
+import time
+from typing import Any, BinaryIO, Callable
+
+BEAT_ENV = "MPSRUN_HELPER_BEAT"  # the heartbeat file's path, for the helper
+STALL_ENV = "MPSRUN_HELPER_STALL_S"
 
 
 
@@ -48,6 +62,35 @@ def receive(stream: BinaryIO) -> Any:
     return pickle.loads(data)
 
 
+def beat(path: str, every_s: float = 1.0) -> None:
+    """The helper's heartbeat (a daemon thread): touch `path` while this process runs."""
+    while True:
+        try:
+            os.utime(path, None)
+        except OSError:
+            return  # the training process removed it: it is ending
+        time.sleep(every_s)
+
+
+def read_exact(fd: int, n: int, stalled: Callable[[], str | None]) -> bytes:
+    """n bytes from a pipe; b"" at end of file. `stalled()` is asked every second without data:
+    a reason means give up (EOFError)."""
+    buf = bytearray()
+    while len(buf) < n:
+        if os.name != "nt":  # select() does not take pipes on Windows: there, block
+            ready, _, _ = select.select([fd], [], [], 1.0)
+            if not ready:
+                why = stalled()
+                if why:
+                    raise EOFError(why)
+                continue
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            return bytes(buf)
+        buf += chunk
+    return bytes(buf)
+
+
 MAX_POSTED = 256  # unanswered posted calls at most (their answers, ~30 bytes each, stay far below a pipe's 64 KiB)
 
 
@@ -78,9 +121,15 @@ class _Remote:
 
     def __init__(self, uri: str, experiment: str, artifact_root: str | None) -> None:
         args = [sys.executable, "-m", "mpsrun.track.helper", uri, experiment, artifact_root or ""]
+        fd, self._beat = tempfile.mkstemp(prefix="mpsrun-helper-beat-")
+        os.close(fd)
+        self._stall_s = float(os.environ.get(STALL_ENV, "60"))
+        self._seen: tuple[int | None, float] = (None, time.monotonic())  # the beat file's mtime, and since when
         # Own session: a Ctrl-C at the terminal reaches the main process only, which then
         # marks the run KILLED through this helper. stderr is shared (MLflow's own notes).
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+        # Answers are read unbuffered, so that waiting on them can watch the heartbeat.
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+                                     bufsize=0, env={**os.environ, BEAT_ENV: self._beat})
         self._lock = threading.Lock()
         self._kinds: dict[str, bool] = {}
         self._posted: list[_Posted] = []  # sent, answer not read yet (oldest first)
@@ -122,20 +171,49 @@ class _Remote:
         if self.proc.stdin is None or self.proc.stdin.closed:
             raise _RemoteError("RuntimeError", "the MLflow helper process has been closed", "")
 
+    def _receive(self) -> Any:
+        fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
+        head = read_exact(fd, 8, self._stalled)
+        if len(head) < 8:
+            raise EOFError("the MLflow helper process closed its pipe")
+        (n,) = struct.unpack(">Q", head)
+        data = read_exact(fd, n, self._stalled)
+        if len(data) < n:
+            raise EOFError("the MLflow helper process closed its pipe mid-message")
+        return pickle.loads(data)
+
+    def _stalled(self) -> str | None:
+        """Why to stop waiting for the helper: its heartbeat stood still for the stall window (it is then killed)."""
+        if self.proc.poll() is not None:
+            return None  # ended: the read sees the end of the pipe
+        try:
+            mtime: int | None = os.stat(self._beat).st_mtime_ns
+        except OSError:
+            mtime = None
+        now = time.monotonic()
+        if mtime != self._seen[0]:
+            self._seen = (mtime, now)
+            return None
+        if now - self._seen[1] < self._stall_s:
+            return None
+        self.proc.kill()
+        return f"it stopped answering: no heartbeat for {now - self._seen[1]:.0f} s ({STALL_ENV}={self._stall_s:g}); killed"
+
     def _gone(self, e: BaseException) -> None:
         try:
             code: Any = self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             code = "killed: its pipe broke"
-        raise _HelperGone("RuntimeError", f"the MLflow helper process ended (exit {code}): {type(e).__name__}", "") from None
+        why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise _HelperGone("RuntimeError", f"the MLflow helper process ended (exit {code}): {why}", "") from None
 
     def _drain(self, upto: _Posted | None = None) -> None:
         """Read posted calls' answers (all, or up to `upto`); with the lock held."""
         while self._posted:
             p = self._posted[0]
             try:
-                p.ok, p.value = receive(self.proc.stdout)  # type: ignore[arg-type]
+                p.ok, p.value = self._receive()
             except (EOFError, OSError) as e:
                 self._gone(e)
             p.done = True
@@ -151,7 +229,7 @@ class _Remote:
             try:
                 self._drain()
                 send(self.proc.stdin, msg)  # type: ignore[arg-type]
-                ok, value = receive(self.proc.stdout)  # type: ignore[arg-type]
+                ok, value = self._receive()
             except (EOFError, BrokenPipeError, OSError) as e:
                 self._gone(e)
             failed, self._failed = self._failed, None
@@ -162,6 +240,10 @@ class _Remote:
         return value
 
     def close(self, wait: bool = True) -> None:
+        try:
+            os.unlink(self._beat)  # the helper's heartbeat thread stops at its next beat
+        except OSError:
+            pass
         with self._lock:
             if self.proc.stdin is not None and not self.proc.stdin.closed:
                 try:

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from mpsrun.recipe.model import CheckpointSection
+from mpsrun.train import distributed
 from mpsrun.train.callbacks import Callback, RunState
 
 FORMAT = 1
@@ -153,6 +154,7 @@ class Checkpointer(Callback):
         self._best_model: dict[str, Any] | None = None  # host copy of the best weights of this session
         self._uploaded: list[str] = []  # epoch-NNNN.pt names, oldest first (for keep)
         self._log: Any = None  # the run's log (RunState.log), for per-epoch times and the last-checkpoint tag
+        self._rank_rngs: list[dict[str, Any]] | None = None  # every rank's random state at this epoch's end (DDP)
 
     @property
     def enabled(self) -> bool:
@@ -168,6 +170,8 @@ class Checkpointer(Callback):
             self._thread.start()
 
     def on_epoch_end(self, run: RunState, epoch: int, metrics: dict[str, float]) -> None:
+        if distributed.world_size() > 1:  # every rank, every epoch (one collective, the same on all): each rank's own
+            self._rank_rngs = distributed.gather(rng_state(run.device))  # random state, for rank 0's checkpoint
         if not self.enabled:
             return
         improved = self._better(metrics.get(self.spec.monitor), epoch)
@@ -211,6 +215,7 @@ class Checkpointer(Callback):
                 "callbacks": others,
                 "history": run.history,
                 "rng": rng_state(run.device),
+                "rng_ranks": self._rank_rngs,  # DDP: rank r resumes from its own state (None in one process)
                 "data_order": {"kind": "epoch_seed", "seed": self.seed},
                 "monitor": {"name": self.spec.monitor, "mode": self.spec.mode, "best": self.best, "best_epoch": self.best_epoch},
                 "meta": self.meta,
@@ -235,7 +240,19 @@ class Checkpointer(Callback):
             self.siblings().load_state_dict(ck.get("callbacks", {}))  # this one's best included
         run.history[:] = list(ck.get("history", []))
         self.last_epoch = ck["epoch"]
-        set_rng_state(ck["rng"], run.device)  # last: nothing may draw between here and the first step
+        set_rng_state(self._own_rng(ck), run.device)  # last: nothing may draw between here and the first step
+
+    def _own_rng(self, ck: dict[str, Any]) -> dict[str, Any]:
+        """This rank's random state from the checkpoint: its own where the job had as many ranks, else rank 0's."""
+        ranks = ck.get("rng_ranks")
+        world = distributed.world_size()
+        if ranks and len(ranks) == world:
+            return ranks[distributed.rank()]
+        if world > 1 and distributed.is_main_process():
+            why = f"it was written by {len(ranks)} ranks" if ranks else "it holds one process's random state"
+            self.note(f"resume: every rank continues from rank 0's random state ({why}; {world} ranks now): "
+                      "dropout and other random draws differ from an uninterrupted job")
+        return ck["rng"]
 
     def _better(self, value: float | None, epoch: int) -> bool:
         if value is None or not math.isfinite(value):

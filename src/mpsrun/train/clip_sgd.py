@@ -81,7 +81,7 @@ def why_not(optimizer: torch.optim.Optimizer, clipper: FastClip | None) -> str |
     if len(optimizer.param_groups) != 1:
         return "more than one parameter group"
     group = optimizer.param_groups[0]
-    if {id(p) for p in group["params"]} != {id(p) for p in clipper.params}:
+    if {id(p) for p in group["params"] if p.requires_grad} != {id(p) for p in clipper.params}:  # frozen ones never step
         return "the optimizer does not hold exactly the clipped parameters"
     if len(clipper.params) > SLOTS:
         return f"{len(clipper.params)} parameter tensors (one launch takes {SLOTS})"

@@ -75,6 +75,20 @@ class SGDState:
         self.programs = programs  # the most programs one launch may have
 
 
+def cooperative_launch() -> dict[str, bool]:
+    """Launch the one-pass clip_sgd as a cooperative grid where Triton can: CUDA then guarantees every
+    program is resident at once (what its grid-wide wait needs), even beside other processes' kernels
+    on a shared GPU; without it, one program per SM is what makes them resident."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+
+        if "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {}):
+            return {"launch_cooperative_grid": True}
+    except Exception:  # noqa: BLE001 - an older or non-NVIDIA Triton
+        pass
+    return {}
+
+
 class TritonKernels:
     """The norm, its running max and 1/scale in one Triton kernel per 8 gradients (clip_kernels.py)."""
 
@@ -83,6 +97,7 @@ class TritonKernels:
 
         self._kernel = clip_kernels.clip_norm
         self._sgd = clip_kernels.clip_sgd
+        self._cooperative = cooperative_launch()
 
     def clip_norm(self, grads: list[torch.Tensor], partials: torch.Tensor, counter: torch.Tensor, peak: torch.Tensor, inv: torch.Tensor, max_norm: float) -> None:
         launches = -(-len(grads) // SLOTS)
@@ -97,7 +112,6 @@ class TritonKernels:
                 partials, counter, peak, inv, max_norm, c * PROGRAMS, *args,
                 TOTAL=total, BLOCK=BLOCK, PBLOCK=max(16, 1 << (total - 1).bit_length()),
             )
-
 
     def clip_sgd(self, state: SGDState, params: list[torch.Tensor], bufs: list[torch.Tensor] | None, group: dict[str, Any], mode: int = 0, block: int = 2048) -> None:
         """Clip and SGD in one launch (mode 0) or two (1 then 2: the interpreter's way); see clip_kernels.clip_sgd."""
@@ -122,7 +136,8 @@ class TritonKernels:
         head = [state.partials, state.counters, state.peak, state.inv, state.max_norm,
                 lr if lr_ptr else state.inv, 0.0 if lr_ptr else float(lr), float(group["momentum"]), float(group["weight_decay"])]
         for m in ((0,) if mode == 0 else (1, 2)):
-            self._sgd[(programs,)](*head, *args, *starts[1:], MODE=m, **flags)
+            extra = self._cooperative if m == 0 else {}
+            self._sgd[(programs,)](*head, *args, *starts[1:], MODE=m, **flags, **extra)
 
 
 class FastClip:

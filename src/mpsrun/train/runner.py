@@ -25,7 +25,7 @@ from mpsrun.recipe.load import Resolved, flatten
 from mpsrun.recipe.model import Recipe
 from mpsrun.track import store as tracking
 from mpsrun.track.standard import bookkeeping
-from mpsrun.train import controls, distributed, final_eval, job_run, record, shards
+from mpsrun.train import controls, distributed, final_eval, job_run, record, schedulers, shards
 from mpsrun.train.callbacks import Callback, Callbacks, RunState  # noqa: F401 - Callbacks: public here
 from mpsrun.train.continuity import Continuity, ResumePoint
 from mpsrun.train.data import BatchPlan, plan_batches
@@ -168,7 +168,14 @@ def build_optimizer(recipe: Recipe, model: nn.Module, graphs: bool) -> torch.opt
         raise InputError("; ".join(f"optimizer.{k}: {m}" for k, m in errs))
     if graphs and "capturable" in inspect.signature(cls).parameters and "capturable" not in kwargs:
         kwargs["capturable"] = True  # step counters on the device, so the step can be graphed
-    return cls(model.parameters(), **kwargs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = bool(params) and schedulers.fused_sgd(cls, kwargs, params, params[0].device, graphs, recipe.scheduler is not None)
+    if fused:
+        kwargs["fused"] = True  # reads the schedule's device-tensor rate in one kernel (schedulers.tensor_lr)
+    optimizer = cls(model.parameters(), **kwargs)
+    if fused:
+        optimizer.register_step_pre_hook(schedulers.late_momentum_buffers)
+    return optimizer
 
 
 def prepare(resolved: Resolved) -> Setup:

@@ -9,9 +9,10 @@ CUDA graphs bake a float learning rate into the captured kernels, so under graph
 the rate becomes a 1-element tensor on the device that the scheduler fills in
 place (torch's schedulers do that for tensor rates) and the replayed kernels read.
 Optimizers with `capturable` read a tensor rate natively; plain SGD converts it to
-a host number each step (a sync, and an error while capturing), so under graphs
-SGD's update runs through `TensorLRSGD`, the same arithmetic on foreach kernels
-with the rate kept on the device. Others run eager, said and tagged.
+a host number each step (a sync, and an error while capturing), so under graphs on
+CUDA SGD is built fused (`fused_sgd`: its one kernel reads the tensor), and elsewhere
+its update runs through `TensorLRSGD`, the same arithmetic on foreach kernels with
+the rate kept on the device. Others run eager, said and tagged.
 """
 
 from __future__ import annotations
@@ -84,46 +85,40 @@ def graph_problem(optimizer_cls: type, interval: str) -> str | None:
 def tensor_lr(optimizer: torch.optim.Optimizer, device: torch.device) -> str:
     """Make every group's rate a device tensor the graphs read (before the scheduler records initial_lr).
 
-    Plain SGD on CUDA becomes torch's fused SGD, which reads a tensor rate in its one
-    kernel (on the H100 the fashion step: 103 us, against 112 us through TensorLRSGD's
-    three; benchmarks/step_kernels_gpu.py); elsewhere TensorLRSGD. Returns which, for the notes.
+    A fused SGD (`fused_sgd`, decided when the optimizer is built) reads a tensor rate in
+    its one kernel (on the H100 the fashion step: 103 us, against 112 us through
+    TensorLRSGD's three; benchmarks/step_kernels_gpu.py); any other plain SGD becomes
+    TensorLRSGD. Returns which, for the notes.
     """
     for g in optimizer.param_groups:
         g["lr"] = torch.tensor(float(g["lr"]), dtype=torch.float32, device=device)
     if type(optimizer) is torch.optim.SGD:
-        if fuse_sgd(optimizer, device):
+        if all(g.get("fused") for g in optimizer.param_groups):
             return "torch's fused SGD reads it"
         optimizer.__class__ = TensorLRSGD
         return "SGD's update runs on foreach kernels that read it"
     return f"{type(optimizer).__name__} reads it (capturable)"
 
 
-def fuse_sgd(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
-    """Switch a built torch SGD to its fused kernel, as `SGD(..., fused=True)` would have set it up.
+def fused_sgd(cls: type, kwargs: dict[str, Any], params: list[torch.Tensor], device: torch.device, graphs: bool, scheduled: bool) -> bool:
+    """Whether to build torch's SGD with `fused=True`: under graphs, with a schedule, on CUDA.
 
-    Same update rule; one kernel per step instead of one per foreach op. Only on
-    CUDA, with float32 parameters and no `foreach`/`differentiable` asked for.
+    Same update rule as SGD's default; one kernel that reads a device-tensor rate, where
+    the default would run through TensorLRSGD's three. Not with float parameters other
+    than float32, `foreach`/`fused`/`differentiable` asked for, or momentum with
+    dampening (see late_momentum_buffers).
     """
-    if type(optimizer) is not torch.optim.SGD or device.type != "cuda":
+    if cls is not torch.optim.SGD or not (graphs and scheduled) or device.type != "cuda":
         return False
-    groups = optimizer.param_groups
-    if any(g.get("foreach") or g.get("differentiable") or g.get("fused") for g in groups):
-        return bool(groups) and all(g.get("fused") for g in groups)
-    if any(p.dtype != torch.float32 or p.device.type != "cuda" for g in groups for p in g["params"]):
+    if any(k in kwargs for k in ("foreach", "fused", "differentiable")):
         return False
-    if any(g["momentum"] and g["dampening"] for g in groups):
-        return False  # see _late_momentum_buffers: exact only without dampening
-    for g in groups:
-        g["fused"], g["foreach"] = True, None
-    optimizer.defaults["fused"] = True
-    optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]  # as SGD.__init__ sets for fused
-    optimizer._need_device_dtype_check_for_fused = True  # type: ignore[attr-defined]
-    optimizer.register_step_pre_hook(_late_momentum_buffers)
-    return True
+    if kwargs.get("momentum") and kwargs.get("dampening"):
+        return False
+    return all(p.dtype == torch.float32 for p in params)
 
 
-def _late_momentum_buffers(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Give a parameter whose first gradient comes late a zero momentum buffer before a fused step.
+def late_momentum_buffers(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A step pre-hook for fused SGD: a parameter whose first gradient comes late gets a zero momentum buffer.
 
     torch's fused SGD treats a step as the first only when no parameter has a buffer, and
     fails on a None buffer otherwise (a head used only on some steps). A zero buffer
