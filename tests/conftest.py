@@ -50,11 +50,24 @@ class Workdir:
         self.path = path
         self.uri = f"sqlite:///{path / 'mlruns' / 'mlflow.db'}"
 
-    def cli(self, *args: str) -> Result:
-        """The real Typer app, in-process (no mocks; saves a Python start per call)."""
+    def cli(self, *args: str, helper: str | None = "thread") -> Result:
+        """The real Typer app, in-process (no mocks; saves a Python start per call).
+
+        `helper`: the MLflow helper mode for this call. In-process calls use "thread" (the
+        mode macOS/MPS users get): the test process has mlflow imported already, so no helper
+        interpreter is started (~3 s a run on 2 cores). None keeps the product default
+        (auto: a helper process), for tests about what a default run records; a test that set
+        $MPSRUN_MLFLOW_HELPER itself keeps its own value. Tests that start `mpsrun` as a
+        subprocess (console script, `--nproc`, torchrun, signals) are not affected and run the
+        default helper process; processes an in-process call starts (`bench --parallel`
+        cells) would inherit the mode, so that test passes helper=None.
+        """
+        import os
+
         from mpsrun.cli import app
 
-        r = CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+        env = {} if helper is None or "MPSRUN_MLFLOW_HELPER" in os.environ else {"MPSRUN_MLFLOW_HELPER": helper}
+        r = CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False, env=env)
         return Result(r.exit_code, r.stdout, r.stderr)
 
     def client(self) -> Any:

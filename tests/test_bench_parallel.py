@@ -19,7 +19,7 @@ model: {{name: {model}}}
 optimizer: {{name: sgd, lr: 0.05}}
 matrix:
   optimizer.lr: [0.05, 0.1, 0.2]
-tracking: {{experiment: par}}
+tracking: {{experiment: par, log_model: false}}
 """
 
 SLOW = """\
@@ -50,7 +50,7 @@ def test_cells_run_side_by_side_as_child_runs(work, fake_dist, monkeypatch) -> N
     monkeypatch.setenv("PYTHONPATH", str(site))  # the cell processes find the plugin as an installed package
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     r = work.write("g.yaml", GRID.format(model="slow"))
-    res = work.cli("bench", str(r), "--parallel", "2")
+    res = work.cli("bench", str(r), "--parallel", "2", helper=None)  # cell processes: the default helper
     assert res.exit_code == 0, res.output
     assert "share this machine's" in res.stdout
     runs = work.runs("par")

@@ -287,17 +287,21 @@ def test_a_rank_ends_without_finalisation_under_a_late_gloo_worker(tmp_path: Pat
 # ----------------------------------------------------------------------------- resume keeps the world size
 
 
-def test_a_stopped_2_rank_job_resumes_on_2_ranks_on_the_same_trajectory(work, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """SIGTERM (preemption) of `run --nproc 2` after epoch 1 of 3; `mpsrun resume ID` runs 2 ranks again."""
-    from tests.proc_helpers import plugin_site
+def test_a_stopped_2_rank_job_resumes_on_2_ranks_on_the_same_trajectory(work, tmp_path: Path, fake_dist) -> None:  # type: ignore[no-untyped-def]
+    """SIGTERM (preemption) of `run --nproc 2` after epoch 1 of 3; `mpsrun resume ID` runs 2 ranks again.
 
-    site = plugin_site(tmp_path)
+    The reference is the uninterrupted single-process run (in-process: no job start-up),
+    the trajectory a 2-rank run follows (test_nproc_2_is_one_run_on_the_single_process_trajectory).
+    """
+    from tests.proc_helpers import HELD_PLUGIN
+
+    site = fake_dist("heldplug", HELD_PLUGIN, models={"held_mlp": "held_mlp"})  # in this process and, through PYTHONPATH, in the ranks
     hold = tmp_path / "hold"  # while it exists, every training step sleeps 0.2 s: the test sets the pace
     recipe = RECIPE.format(epochs=3, model="held_mlp").replace("batch_size: 32", "batch_size: 64")  # 23 steps; a tail of 29 (15/14)
     r = work.write("r.yaml", recipe.replace("{name: held_mlp}", f"{{name: held_mlp, hold: '{hold}'}}"))
     extra = {"PYTHONPATH": str(site)}
-    ref = _sub([_bin("mpsrun"), "run", str(r), "-q", "--nproc", "2"], work.path, extra)  # uninterrupted (no hold file)
-    assert ref.returncode == 0, ref.stdout + ref.stderr
+    ref = work.cli("run", str(r), "-q")  # uninterrupted (no hold file)
+    assert ref.exit_code == 0, ref.output
     hold.touch()
     env = {**os.environ, **ENV, **extra}
     env.pop("MLFLOW_TRACKING_URI", None)

@@ -32,7 +32,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory, template_db: Path) -> tupl
         mp.chdir(path)
         mp.delenv("MLFLOW_TRACKING_URI", raising=False)
         work = Workdir(path)
-        r = work.cli("run", RECIPES / "digits_mlp.yaml", "epochs=3", "device=cpu", f"tracking.register={REGISTERED}", "-q")
+        r = work.cli("run", RECIPES / "digits_mlp.yaml", "epochs=3", "device=cpu", f"tracking.register={REGISTERED}", "-q", helper=None)
         assert r.exit_code == 0, r.output
         assert f"models:/{REGISTERED}/1" in r.stdout
         (run,) = work.runs("digits_mlp")
@@ -157,7 +157,7 @@ def test_figures_and_per_class_table_are_artifacts(trained) -> None:
 
 def test_eval_logs_a_run_linked_to_the_model(trained) -> None:
     work, run = trained
-    r = work.cli("eval", run.info.run_id)
+    r = work.cli("eval", run.info.run_id, helper=None)
     assert r.exit_code == 0, r.output
     assert "eval_accuracy" in r.stdout
     (ev,) = [x for x in work.runs("digits_mlp") if x.data.tags.get("mpsrun.eval.source_run") == run.info.run_id]
@@ -172,7 +172,7 @@ def test_eval_logs_a_run_linked_to_the_model(trained) -> None:
     assert "figures/confusion_matrix.png" in {a.path for a in work.client().list_artifacts(ev.info.run_id, "figures")}
 
     # a registered version on other data: dataset overrides on the training recipe
-    r = work.cli("eval", f"models:/{REGISTERED}/1", "dataset.val_fraction=0.5")
+    r = work.cli("eval", f"models:/{REGISTERED}/1", "dataset.val_fraction=0.5", helper=None)
     assert r.exit_code == 0, r.output
     ev2 = work.runs("digits_mlp")[-1]
     assert ev2.data.metrics["eval_samples"] == 899

@@ -101,7 +101,7 @@ def test_unwrap_takes_off_compile_and_ddp_style_wrappers() -> None:
 
 
 def test_no_model_logged_when_log_model_is_false_and_run_name_kept(work) -> None:
-    r = work.cli("run", RECIPES / "digits_mlp.yaml", "epochs=1", "device=cpu", "tracking.log_model=false", "tracking.run_name=mine", "tracking.system_metrics=false", "-q")
+    r = work.cli("run", RECIPES / "digits_mlp.yaml", "epochs=1", "device=cpu", "tracking.log_model=false", "tracking.run_name=mine", "tracking.system_metrics=false", "-q", helper=None)
     assert r.exit_code == 0, r.output
     (run,) = work.runs("digits_mlp")
     assert run.info.run_name == "mine"
@@ -109,5 +109,5 @@ def test_no_model_logged_when_log_model_is_false_and_run_name_kept(work) -> None
     assert work.client().get_run(run.info.run_id).outputs.model_outputs == []
     assert not any(k.startswith("system/") for k in run.data.metrics)
     assert "figures/learning_curves.png" in {a.path for a in work.client().list_artifacts(run.info.run_id, "figures")}
-    r = work.cli("eval", run.info.run_id)
+    r = work.cli("eval", run.info.run_id, helper=None)
     assert r.exit_code == 2 and "no logged model" in r.stderr

@@ -1,29 +1,52 @@
-"""`mpsrun ui` stopped by a signal: the MLflow server it started goes too, the port is freed,
-and the exit code says which signal (130 SIGINT, 143 SIGTERM). Real processes, real signals."""
+"""`mpsrun ui` with no flags browses the default store `mpsrun run` wrote; stopped by a signal,
+the MLflow server it started goes too, the port is freed, and the exit code says which signal
+(130 SIGINT, 143 SIGTERM). Real processes, real signals.
+
+One `mpsrun ui` serves both checks: starting its MLflow server is most of a test's time.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import time
-from pathlib import Path
+import urllib.request
+from typing import Any
 
 import pytest
 
+from .conftest import RECIPES
 from .proc_helpers import MPSRUN, alive, clean_env, descendants, free_port, port_free, wait_http
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143)])  # SIGINT (130) takes the same path
-def test_ui_signal_stops_the_server_and_frees_the_port(tmp_path: Path, template_db: Path, sig: int, code: int) -> None:
-    import shutil
+def _experiment_names(port: int, timeout: float = 60) -> list[str]:
+    """The experiments the UI's server lists (the page's own API call)."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/ajax-api/2.0/mlflow/experiments/search",
+        data=b'{"max_results": 10}', headers={"Content-Type": "application/json"},
+    )
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return [e["name"] for e in json.load(r)["experiments"]]
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
-    (tmp_path / "mlruns").mkdir()
-    shutil.copy(template_db, tmp_path / "mlruns" / "mlflow.db")
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143)])  # SIGINT (130) takes the same path
+def test_ui_serves_the_default_store_and_a_signal_stops_the_server_and_frees_the_port(work: Any, sig: int, code: int) -> None:
+    assert work.cli("run", RECIPES / "digits_mlp.yaml", "epochs=1", "-q").exit_code == 0
     port = free_port()
-    proc = subprocess.Popen([MPSRUN, "ui", "--port", str(port)], cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([MPSRUN, "ui", "--port", str(port)], cwd=work.path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert wait_http(f"http://127.0.0.1:{port}/health", 120, proc), proc.communicate(timeout=5)
+        # no flags: the store `mpsrun run` wrote in this folder (./mlruns) is the one browsed
+        assert "digits_mlp" in _experiment_names(port)
         tree = descendants(proc.pid)
         assert tree, "the server should run as a child of mpsrun ui"
         assert not port_free(port)
