@@ -52,11 +52,16 @@ def send(stream: BinaryIO, obj: Any) -> None:
 
 
 def receive(stream: BinaryIO) -> Any:
-    head = stream.read(8)
+    return decode(stream.read)
+
+
+def decode(read: Callable[[int], bytes]) -> Any:
+    """One message, read with `read(n)` (which returns fewer bytes only at the end of the pipe)."""
+    head = read(8)
     if len(head) < 8:
         raise EOFError("the MLflow helper process closed its pipe")
     (n,) = struct.unpack(">Q", head)
-    data = stream.read(n)
+    data = read(n)
     if len(data) < n:
         raise EOFError("the MLflow helper process closed its pipe mid-message")
     return pickle.loads(data)
@@ -173,14 +178,7 @@ class _Remote:
 
     def _receive(self) -> Any:
         fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
-        head = read_exact(fd, 8, self._stalled)
-        if len(head) < 8:
-            raise EOFError("the MLflow helper process closed its pipe")
-        (n,) = struct.unpack(">Q", head)
-        data = read_exact(fd, n, self._stalled)
-        if len(data) < n:
-            raise EOFError("the MLflow helper process closed its pipe mid-message")
-        return pickle.loads(data)
+        return decode(lambda n: read_exact(fd, n, self._stalled))
 
     def _stalled(self) -> str | None:
         """Why to stop waiting for the helper: its heartbeat stood still for the stall window (it is then killed)."""
