@@ -140,6 +140,7 @@ class Checkpointer(Callback):
     best_file: Path | None = None  # the best checkpoint of a resumed run, when it was not this session's
     siblings: Callable[[], Callback] | None = None  # the Callbacks holding every callback's state
     hyper: dict[str, Any] = field(default_factory=dict)  # optimizer settings overridden on resume: win over the saved ones
+    ranks_rng: bool = True  # DDP: gather every rank's random state at epoch ends (False: the job writes no checkpoints)
     directory: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mpsrun-ckpt-")))
     best: float | None = None
     best_epoch: int | None = None
@@ -170,7 +171,7 @@ class Checkpointer(Callback):
             self._thread.start()
 
     def on_epoch_end(self, run: RunState, epoch: int, metrics: dict[str, float]) -> None:
-        if distributed.world_size() > 1:  # every rank, every epoch (one collective, the same on all): each rank's own
+        if self.ranks_rng and distributed.world_size() > 1:  # every rank, every epoch (one collective, the same on all): each rank's own
             self._rank_rngs = distributed.gather(rng_state(run.device))  # random state, for rank 0's checkpoint
         if not self.enabled:
             return
