@@ -1,4 +1,4 @@
-"""Why train/metrics.py is hand-written: torchmetrics against it, measured.
+"""Why train/loop/metrics.py is hand-written: torchmetrics against it, measured.
 
 Prints, for a validation pass of batch-64 updates: import time, time per update
 (classification accuracy + top-5; regression MAE + MSE + R^2) and whether each
@@ -45,7 +45,7 @@ def main() -> None:
     from torchmetrics.classification import MulticlassAccuracy
     from torchmetrics.regression import MeanAbsoluteError, MeanSquaredError, R2Score
 
-    from mpsrun.train.metrics import MetricSet
+    from mpsrun.train.loop.metrics import MetricSet
 
     logits, y = torch.randn(64, 100, device=dev), torch.randint(0, 100, (64,), device=dev)
     out, t = torch.randn(64, device=dev), torch.randn(64, device=dev)
@@ -54,13 +54,13 @@ def main() -> None:
     tm_c = [MulticlassAccuracy(100, average="micro", validate_args=False).to(dev), MulticlassAccuracy(100, top_k=5, average="micro", validate_args=False).to(dev)]
     tm_r = [MeanAbsoluteError().to(dev), MeanSquaredError().to(dev), R2Score().to(dev)]
     rows = [
-        ("import", f"{import_time('import torchmetrics') * 1e3:.0f} ms", f"{import_time('import mpsrun.train.metrics') * 1e3:.0f} ms"),
+        ("import", f"{import_time('import torchmetrics') * 1e3:.0f} ms", f"{import_time('import mpsrun.train.loop.metrics') * 1e3:.0f} ms"),
         ("classification update (acc + top-5)", f"{timed(lambda: [m.update(logits, y) for m in tm_c], a.n, dev):.1f} us", f"{timed(lambda: ours_c.update(logits, y), a.n, dev):.1f} us"),
         ("regression update (mae + mse + r2)", f"{timed(lambda: [m.update(out, t) for m in tm_r], a.n, dev):.1f} us", f"{timed(lambda: ours_r.update(out, t), a.n, dev):.1f} us"),
         ("Python state per update (lost in graph replay)", "_update_count, _computed", "none"),
     ]
     print(f"device {dev}, torch {torch.__version__}, torchmetrics {torchmetrics.__version__}\n")
-    print("| | torchmetrics | mpsrun.train.metrics |\n| --- | --- | --- |")
+    print("| | torchmetrics | mpsrun.train.loop.metrics |\n| --- | --- | --- |")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]} |")
 

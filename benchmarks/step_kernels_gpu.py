@@ -1,7 +1,7 @@
 """Where a schedule and clipping cost time inside a CUDA-graphed step (issue 13, item 10).
 
 The fashion recipe's step (784-512-512-10 MLP, batch 64, SGD) replayed as graphs of
-16 steps, as train/steps.py does, in variants that add one thing at a time:
+16 steps, as train/loop/steps.py does, in variants that add one thing at a time:
 
 - base: torch SGD (foreach) with a float rate: what the recipe trains with today;
 - lr:tensorsgd: the rate a device tensor, through train/schedulers.TensorLRSGD;
@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, "src")
-from mpsrun.train import clipping  # noqa: E402
-from mpsrun.train.objective import Objective  # noqa: E402
-from mpsrun.train.schedulers import late_momentum_buffers, tensor_lr  # noqa: E402
+from mpsrun.train.controls import clipping  # noqa: E402
+from mpsrun.train.loop.objective import Objective  # noqa: E402
+from mpsrun.train.controls.schedulers import late_momentum_buffers, tensor_lr  # noqa: E402
 
 K, B = 16, 64
 

@@ -19,7 +19,8 @@ import torch
 
 from mpsrun.devices import resolve as devices
 from mpsrun.recipe import matrix
-from mpsrun.train import engine, runner
+from mpsrun.train.loop import engine
+from mpsrun.train import runner
 from mpsrun.bench.compare import ChildRun, build_rows, columns, compute_speedups, Table
 from mpsrun.plugins import resolve
 from mpsrun.recipe import RecipeError

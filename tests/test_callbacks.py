@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mpsrun.plugins import resolve
 from mpsrun.train import runner
-from mpsrun.train.callbacks import Callback, RunState
+from mpsrun.train.controls.callbacks import Callback, RunState
 from tests.conftest import RECIPES
 
 

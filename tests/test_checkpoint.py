@@ -181,7 +181,7 @@ def test_resume_refusals(work: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     assert r.exit_code == 2
 
     # A RUNNING run whose process is alive (this very test process) is not resumed.
-    from mpsrun.track import liveness
+    from mpsrun.track.store import liveness
 
     c = work.client()
     alive = c.create_run(run.info.experiment_id, tags=liveness.identity())
@@ -200,7 +200,7 @@ def test_resume_refusals(work: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_liveness_across_hosts() -> None:
-    from mpsrun.track import liveness
+    from mpsrun.track.store import liveness
 
     me = liveness.identity()
     now = float(me[liveness.HEARTBEAT])
@@ -215,7 +215,7 @@ def test_liveness_across_hosts() -> None:
 
 
 def test_data_order_is_a_pure_function_of_seed_and_epoch() -> None:
-    from mpsrun.train.data import ResidentBatches
+    from mpsrun.train.loop.data import ResidentBatches
 
     x, y = torch.arange(50).float().unsqueeze(1), torch.arange(50)
     a = ResidentBatches(x, y, 8, torch.device("cpu"), True, seed=5)

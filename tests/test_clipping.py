@@ -1,4 +1,4 @@
-"""The Triton clip (train/clipping.py) against torch's clip_grad_norm_, and fused SGD against SGD.
+"""The Triton clip (train/controls/clipping.py) against torch's clip_grad_norm_, and fused SGD against SGD.
 
 On CUDA the clip's norm is a Triton kernel; here (no GPU) the same wrapper runs its
 arithmetic as torch ops (`clipping.TorchKernels`), which checks trajectories, the logged
@@ -14,8 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from mpsrun.train import clipping, schedulers
-from mpsrun.train.objective import Objective
+from mpsrun.train.controls import clipping
+
+from mpsrun.train.controls import schedulers
+from mpsrun.train.loop.objective import Objective
 
 CPU = torch.device("cpu")
 SGD_RULES = [  # the update rules the folded clip + SGD kernel covers
@@ -130,7 +132,7 @@ def test_clip_folded_into_sgd_reads_a_scheduled_tensor_rate() -> None:
 
 
 def test_clip_does_not_fold_where_it_would_not_be_sgd_exactly() -> None:
-    from mpsrun.train import clip_sgd
+    from mpsrun.train.controls import clip_sgd
 
     def why(opt_of: object, model: nn.Module | None = None) -> str:
         model = model or Gated()
@@ -220,7 +222,7 @@ def test_triton_kernels_match_the_torch_reference_in_tritons_interpreter() -> No
         pytest.skip("on a CUDA machine the _cuda tests run the kernel itself")
     code = """
 import torch
-from mpsrun.train import clipping
+from mpsrun.train.controls import clipping
 g = torch.Generator().manual_seed(0)
 shapes = [(512, 784), (512,), (512, 512), (512,), (10, 512), (10,), (3, 3), (7,), (100,), (1,)]
 grads = [torch.randn(s, generator=g) for s in shapes]  # 10 gradients: two launches of 8 slots
@@ -264,7 +266,7 @@ def test_clip_sgd_kernel_matches_the_torch_reference_in_tritons_interpreter() ->
         pytest.skip("on a CUDA machine the _cuda tests run the kernel itself")
     code = """
 import torch
-from mpsrun.train import clipping
+from mpsrun.train.controls import clipping
 shapes = [(40, 30), (40,), (25, 40), (25,), (3, 25), (3,)]
 out = []
 for mode, programs in ((0, 1), (1, 4)):

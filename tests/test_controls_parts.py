@@ -18,7 +18,7 @@ from tests.conftest import Workdir, _clear_plugin_cache
 def test_regression_metrics_match_scikit_learn_in_target_units() -> None:
     from sklearn.metrics import mean_absolute_error, mean_squared_error, r2_score
 
-    from mpsrun.train.metrics import MetricSet
+    from mpsrun.train.loop.metrics import MetricSet
 
     g = torch.Generator().manual_seed(0)
     y = torch.randn(500, generator=g)
@@ -37,7 +37,7 @@ def test_regression_metrics_match_scikit_learn_in_target_units() -> None:
 
 
 def test_classification_metrics_and_top5() -> None:
-    from mpsrun.train.metrics import MetricSet
+    from mpsrun.train.loop.metrics import MetricSet
 
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(300, 20, generator=g)
@@ -52,7 +52,7 @@ def test_classification_metrics_and_top5() -> None:
 
 
 def test_clip_scales_to_max_norm_and_keeps_the_largest_pre_clip_norm() -> None:
-    from mpsrun.train.objective import Objective
+    from mpsrun.train.loop.objective import Objective
 
     model = torch.nn.Linear(4, 3)
     obj = Objective.default(torch.device("cpu"))
@@ -70,7 +70,7 @@ def test_clip_scales_to_max_norm_and_keeps_the_largest_pre_clip_norm() -> None:
 
 
 def test_micro_batch_weights_make_each_group_a_mean_over_its_samples() -> None:
-    from mpsrun.train.objective import micro_batches
+    from mpsrun.train.loop.objective import micro_batches
 
     plan = list(micro_batches(n=1437, batch_size=16, accumulate=4))
     assert len(plan) == 90
@@ -91,7 +91,7 @@ def test_tensor_lr_sgd_matches_torch_sgd(kw: dict) -> None:
     """Under CUDA graphs SGD runs as TensorLRSGD with a device-tensor rate; it must be torch's SGD."""
     from torch.optim.lr_scheduler import CosineAnnealingLR
 
-    from mpsrun.train.schedulers import tensor_lr
+    from mpsrun.train.controls.schedulers import tensor_lr
 
     torch.manual_seed(0)
     a = torch.nn.Linear(6, 4)
@@ -124,7 +124,7 @@ def test_names_resolve_as_users_spell_them() -> None:
 
 PLUGIN = '''
 import torch
-from mpsrun.train.callbacks import Callback
+from mpsrun.train.controls.callbacks import Callback
 
 
 class Halver(Callback):

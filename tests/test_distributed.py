@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpsrun.train import distributed, shards
+from mpsrun.train.ranks import distributed
+
+from mpsrun.train.loop import shards
 
 RECIPE = """\
 device: cpu
@@ -227,7 +229,8 @@ def test_a_dying_rank_takes_the_job_down_and_is_named(work, fake_dist) -> None: 
 LATE_CALLBACK = """\
 import sys, time
 import torch, torch.distributed as dist
-from mpsrun.train import distributed, teardown
+from mpsrun.train.ranks import distributed
+from mpsrun.train.ranks import teardown
 
 ctx = distributed.from_env()
 distributed.init(ctx, torch.device("cpu"))

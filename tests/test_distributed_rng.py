@@ -1,9 +1,9 @@
-"""Each rank of a DDP job resumes from its own random state (train/checkpoint.py: `rng_ranks`).
+"""Each rank of a DDP job resumes from its own random state (train/keep/checkpoint.py: `rng_ranks`).
 
 Two real ranks (gloo, two processes) drive the Checkpointer as the engine does: rank 0
 writes the checkpoint, every rank takes part in gathering the random states at the
 epoch's end. Resumed from that checkpoint (rank 0 reads it, the others get it by
-broadcast, as train/resume.py does), each rank must draw exactly what it would have
+broadcast, as train/keep/resume.py does), each rank must draw exactly what it would have
 drawn had the job gone on. A checkpoint without per-rank states (older, or written by
 another world size) makes every rank continue from rank 0's, and rank 0 says so.
 """
@@ -22,15 +22,16 @@ import json, os, shutil, sys
 import torch
 from torch import nn
 from mpsrun.recipe.model import CheckpointSection
-from mpsrun.train import checkpoint, distributed
-from mpsrun.train.callbacks import RunState
+from mpsrun.train.keep import checkpoint
+from mpsrun.train.ranks import distributed
+from mpsrun.train.controls.callbacks import RunState
 
 rank, tmp, mode = int(os.environ["RANK"]), sys.argv[1], sys.argv[2]
 distributed.init(distributed.Context(rank, rank, 2, 2, 1), torch.device("cpu"))
 torch.manual_seed(100 + rank)  # the ranks draw different streams (their dropout masks differ)
 model = nn.Linear(2, 2)
 run = RunState(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"), epochs=3)
-spec = CheckpointSection(every=1 if rank == 0 else 0)  # as train/continuity.py: rank 0 alone writes
+spec = CheckpointSection(every=1 if rank == 0 else 0)  # as train/keep/continuity.py: rank 0 alone writes
 notes = []
 if mode == "save":
     ck = checkpoint.Checkpointer(spec, 0, note=notes.append)
@@ -51,7 +52,7 @@ else:  # resume, twice: from the checkpoint as written, then as one without per-
         out[name] = {"draw": torch.rand(4).tolist(), "notes": list(notes)}
 print(json.dumps(out), flush=True)
 distributed.shutdown()
-os._exit(0)  # as train/teardown.py ends a rank: no interpreter teardown under gloo's threads
+os._exit(0)  # as train/ranks/teardown.py ends a rank: no interpreter teardown under gloo's threads
 """
 
 

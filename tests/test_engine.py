@@ -13,8 +13,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpsrun.train import engine, runner
-from mpsrun.train.data import ResidentBatches
+from mpsrun.train.loop import engine
+
+from mpsrun.train import runner
+from mpsrun.train.loop.data import ResidentBatches
 from mpsrun.plugins import resolve
 
 from .conftest import RECIPES

@@ -1,4 +1,4 @@
-"""A helper process that hangs (track/pipe.py): the training process stops waiting and goes on.
+"""A helper process that hangs (track/helper/pipe.py): the training process stops waiting and goes on.
 
 The MLflow helper is a real process and SIGSTOP a real signal: a stopped helper answers
 nothing and beats no more. Once its heartbeat has stood still for MPSRUN_HELPER_STALL_S,
@@ -18,7 +18,7 @@ import pytest
 
 
 def test_a_hung_helper_is_killed_and_the_run_goes_on_but_a_busy_one_is_waited_for(work, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    from mpsrun.track import background
+    from mpsrun.track.helper import background
 
     monkeypatch.setenv("MPSRUN_HELPER_STALL_S", "1")
     t = background.start(work.uri, "stall", mode="process")

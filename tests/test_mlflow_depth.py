@@ -103,7 +103,7 @@ def test_model_has_signature_requirements_data_info_and_a_registry_version(train
     model = work.client().get_logged_model(output.model_id)
     assert model.source_run_id == run.info.run_id
     assert {m.key for m in model.metrics} >= {"val_accuracy", "val_loss", "train_loss"}
-    # no bare state_dict beside it any more (see track/model_log.py for why)
+    # no bare state_dict beside it any more (see track/records/model_log.py for why)
     assert "model.pt" not in {a.path for a in work.client().list_artifacts(run.info.run_id)}
 
 

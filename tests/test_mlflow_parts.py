@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from mpsrun.track import figures
-from mpsrun.track.served import ServedModel, unwrap
-from mpsrun.track.system import SystemMetrics, mps_monitor
+from mpsrun.track.records import figures
+from mpsrun.track.records.served import ServedModel, unwrap
+from mpsrun.track.records.system import SystemMetrics, mps_monitor
 
 from .conftest import RECIPES
 
@@ -71,7 +71,7 @@ def test_confusion_counts_rows_are_true_classes() -> None:
 def test_learning_curves_refresh_every_few_epochs_on_long_runs(work, mlflow_run) -> None:
     from types import SimpleNamespace
 
-    from mpsrun.train.callbacks import RunState
+    from mpsrun.train.controls.callbacks import RunState
     from mpsrun.train.record import FIGURE_EVERY, Recorder, callback
 
     c, run_id = mlflow_run

@@ -369,7 +369,7 @@ def test_bad_input_while_preparing_leaves_no_run_in_process_mode(work) -> None: 
 def test_helper_that_dies_mid_run_loses_no_metric_and_the_run_goes_on(work) -> None:  # type: ignore[no-untyped-def]
     """The helper is killed between epochs: the store is opened in this process, the same run goes
     on, every metric handed over before is written (once), and the tag says what happened."""
-    from mpsrun.track import background
+    from mpsrun.track.helper import background
 
     t = background.start(work.uri, "dies", mode="process")
     info = t.start("r", {"x": "1"})
@@ -392,7 +392,7 @@ def test_helper_that_dies_mid_run_loses_no_metric_and_the_run_goes_on(work) -> N
 def test_posted_calls_never_fill_the_pipe_and_a_failed_one_is_raised(work) -> None:  # type: ignore[no-untyped-def]
     """Metrics and tags are posted without waiting; over a pipe's worth of them neither blocks nor is lost,
     and a posted call the helper refused is raised by the next call that waits."""
-    from mpsrun.track import background
+    from mpsrun.track.helper import background
 
     t = background.start(work.uri, "posted", mode="process")
     info = t.start("r", {})

@@ -1,6 +1,9 @@
 """mpsrun: honest, fast PyTorch experiments on MPS, CUDA and CPU, tracked in MLflow.
 
-`DataSplits` and `ImageTransform` are loaded on first use (PEP 562 module
+The names here are what plugin authors import (`from mpsrun import DataSplits, Callback`);
+the modules behind them may move, these names stay.
+
+`DataSplits`, `ImageTransform`, `Callback` and `RunState` are loaded on first use (PEP 562 module
 `__getattr__`): their module imports torch, and every `mpsrun` command, `--help`
 included, imports this package first; importing torch here cost 1.5 s before
 any command could even print its help.
@@ -12,11 +15,17 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mpsrun.plugins.contract import DataSplits, ImageTransform
+    from mpsrun.train.controls.callbacks import Callback, RunState
 
 __version__ = "0.1.0"
-__all__ = ["DataSplits", "ImageTransform", "__version__"]
+__all__ = ["Callback", "DataSplits", "ImageTransform", "RunState", "__version__"]
 
-_LAZY = {"DataSplits": "mpsrun.plugins.contract", "ImageTransform": "mpsrun.plugins.contract"}
+_LAZY = {
+    "DataSplits": "mpsrun.plugins.contract",
+    "ImageTransform": "mpsrun.plugins.contract",
+    "Callback": "mpsrun.train.controls.callbacks",
+    "RunState": "mpsrun.train.controls.callbacks",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -25,7 +25,7 @@ def test_model_maps_inputs_to_class_scores() -> None:
 
 
 def test_callback_logs_the_best_value_and_stops_at_the_target() -> None:
-    from mpsrun.train.callbacks import RunState
+    from mpsrun import RunState
 
     model = torch.nn.Linear(2, 2)
     run = RunState(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"), epochs=5)

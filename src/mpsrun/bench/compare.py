@@ -204,7 +204,7 @@ def build_rows(axes: list[str], children: list[ChildRun], plan: list[dict[str, A
 
 
 def _client(uri: str) -> Any:
-    from mpsrun.track import store as tracking
+    from mpsrun.track.store import client as tracking
 
     return tracking.client(uri)
 

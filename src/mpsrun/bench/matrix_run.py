@@ -22,9 +22,9 @@ from mpsrun.bench import compare
 from mpsrun.devices import sysinfo
 from mpsrun.recipe import matrix
 from mpsrun.recipe.load import Resolved, flatten
-from mpsrun.track import store as tracking
+from mpsrun.track.store import client as tracking
 from mpsrun.train import runner
-from mpsrun.train.engine import Listener
+from mpsrun.train.loop.engine import Listener
 from mpsrun.train.progress import quality
 
 DEVICE_TYPES = ("cpu", "mps", "cuda")

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from mpsrun.bench import matrix_run
 from mpsrun.recipe import matrix
-from mpsrun.track import store as tracking
+from mpsrun.track.store import client as tracking
 
 
 @dataclass

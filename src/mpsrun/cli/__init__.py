@@ -43,7 +43,7 @@ def main() -> None:
         raise
     finally:
         if _rank_of_a_job():
-            from mpsrun.train import teardown
+            from mpsrun.train.ranks import teardown
 
             teardown.finish(code)  # never returns
         if common.END_WITHOUT_FINALISATION:
@@ -71,8 +71,8 @@ def _end(code: int) -> None:
 
 
 def _rank_of_a_job() -> bool:
-    if "mpsrun.train.distributed" not in sys.modules:  # never imports torch for --help, validate, ...
+    if "mpsrun.train.ranks.distributed" not in sys.modules:  # never imports torch for --help, validate, ...
         return False
-    from mpsrun.train import teardown
+    from mpsrun.train.ranks import teardown
 
     return teardown.active()

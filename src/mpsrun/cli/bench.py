@@ -49,7 +49,7 @@ def bench(
 
     from mpsrun.bench import compare as comparemod
     from mpsrun.bench import matrix_run as benchmod
-    from mpsrun.train.engine import Listener
+    from mpsrun.train.loop.engine import Listener
     from mpsrun.train.progress import QuietProgress
 
     try:
@@ -83,7 +83,7 @@ def bench(
     )
     for note in plan.notes:
         console.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)
-    from mpsrun.train import interrupt
+    from mpsrun.train.keep import interrupt
 
     runner_ = None
     parallel_notes: list[str] = []
@@ -118,7 +118,7 @@ def compare(
 ) -> None:
     """Rebuild a bench's results table from MLflow alone and print it."""
     from mpsrun.bench import compare as comparemod
-    from mpsrun.track import store as tracking
+    from mpsrun.track.store import client as tracking
 
     if baseline is not None and baseline not in ("cpu", "mps", "cuda", "none"):
         raise bad_input(f"--baseline must be cpu, mps, cuda or none, not '{baseline}'")

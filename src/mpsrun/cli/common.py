@@ -79,7 +79,7 @@ def require_store(tracking_uri: str | None) -> None:
     """Refuse (exit 2, no traceback) a tracking server that does not answer, before any data loads."""
     import os
 
-    from mpsrun.track import remote
+    from mpsrun.track.store import remote
 
     uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:

@@ -30,7 +30,7 @@ def ui(
     tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="Store to browse; default as for `run`."),
 ) -> None:
     """Start the MLflow UI on the same store `mpsrun run` writes to. Ctrl-C / SIGTERM stop it (exit 130 / 143)."""
-    from mpsrun.track import store as tracking
+    from mpsrun.track.store import client as tracking
     from mpsrun.track import ui_server
 
     uri, artifacts = tracking.resolve_uri(tracking_uri)

@@ -1,7 +1,7 @@
 """`mpsrun run R --nproc N`, `mpsrun resume ID` of a multi-rank run: the launcher side.
 
 Checks that no rank could pass fail fast here (exit 2), then the ranks are started
-by torch's elastic agent (train/launch.py) and the job's outcome is reported.
+by torch's elastic agent (train/ranks/launch.py) and the job's outcome is reported.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def launch_ranks(resolved, recipe: Path, overrides: list[str], tracking_uri: Opt
 
 def start_job(resolved, args: list[str], tracking_uri: Optional[str], quiet: bool, nproc: int, command: str, env: dict[str, str] | None = None, headline: str = "") -> None:  # type: ignore[no-untyped-def]
     """Fail fast on what no rank could run (exit 2), then start N ranks of `mpsrun <command> *args` and wait."""
-    from mpsrun.train import launch
+    from mpsrun.train.ranks import launch
 
     r = resolved.recipe
     try:

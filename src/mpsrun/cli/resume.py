@@ -40,8 +40,8 @@ def resume(
     A data-parallel run resumes as a job of as many ranks as it trained on (`--nproc` to change that).
     """
     from mpsrun.cli.ranks import in_a_job
-    from mpsrun.track import store as tracking
-    from mpsrun.train import resume as resumemod
+    from mpsrun.track.store import client as tracking
+    from mpsrun.train.keep import resume as resumemod
 
     uri, _ = tracking.resolve_uri(tracking_uri)
     if in_a_job():  # one rank of a resumed job: started below, or by torchrun ... -m mpsrun resume ID
@@ -79,8 +79,10 @@ def _resume(uri: str, run_id: str, overrides: list[str], tracking_uri: Optional[
     store); the other ranks read the recipe only and take rank 0's checkpoint once the
     group is joined, so only rank 0 fetches it and only its pid becomes the run's.
     """
-    from mpsrun.train import distributed, interrupt, runner
-    from mpsrun.train import resume as resumemod
+    from mpsrun.train.ranks import distributed
+    from mpsrun.train.keep import interrupt
+    from mpsrun.train import runner
+    from mpsrun.train.keep import resume as resumemod
     from mpsrun.train.progress import BarProgress, QuietProgress
 
     job = distributed.from_env()
@@ -145,8 +147,8 @@ def runs(
     tracking_uri: Optional[str] = UriOpt,
 ) -> None:
     """Recent runs with their real state: a RUNNING run whose process is gone shows as INTERRUPTED."""
-    from mpsrun.track import store as tracking
-    from mpsrun.track.runs import experiment_names, list_runs
+    from mpsrun.track.store import client as tracking
+    from mpsrun.track.store.runs import experiment_names, list_runs
 
     uri, _ = tracking.resolve_uri(tracking_uri)
     try:

@@ -44,12 +44,13 @@ def run(
         from mpsrun.cli.ranks import launch_ranks
 
         return launch_ranks(resolved, recipe, overrides or [], tracking_uri, quiet, nproc)
-    # MLflow set-up starts now, beside the torch import, data and model (track/background.py).
+    # MLflow set-up starts now, beside the torch import, data and model (track/helper/background.py).
     # Not in a rank of a multi-process job (RANK and WORLD_SIZE > 1, as train.distributed.from_env
     # reads them; not imported here, it imports torch): there train.job_run.tracker decides who logs.
     tracker = None
     if not ("RANK" in os.environ and os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1")):
-        from mpsrun.track import background, store
+        from mpsrun.track.helper import background
+        from mpsrun.track.store import client as store
 
         uri, artifact_root = store.resolve_uri(tracking_uri)
         try:
@@ -70,7 +71,7 @@ def run(
             tracker.close(wait=False)
         raise
     r = setup.resolved.recipe
-    from mpsrun.train.distributed import is_main_process
+    from mpsrun.train.ranks.distributed import is_main_process
 
     if not is_main_process():  # ranks 1..N-1 of a job train silently; rank 0 speaks for the job
         return _other_rank(setup, tracking_uri)
@@ -82,8 +83,8 @@ def run(
         highlight=False,
     )
     progress = QuietProgress(console) if quiet or not console.is_terminal else BarProgress(console)
-    from mpsrun.track.background import TrackingSetupError
-    from mpsrun.train import interrupt
+    from mpsrun.track.helper.background import TrackingSetupError
+    from mpsrun.train.keep import interrupt
 
     import mpsrun.cli.common as cli_common
 

@@ -17,7 +17,7 @@ def sync(
 ) -> None:
     """Replay metrics, params, tags, artifacts and final statuses that runs spooled while the store was away."""
     require_store(tracking_uri)
-    from mpsrun.track import sync as replay
+    from mpsrun.track.store import sync as replay
 
     uri = replay.resolve(tracking_uri)
     results = replay.replay_all(uri)

@@ -19,7 +19,7 @@ import mpsrun.plugins.registry as registry
 from mpsrun.plugins.registry import PluginError
 from mpsrun.recipe.problems import Problem, RecipeSource, did_you_mean
 
-# Metric names a recipe may add under `metrics:`, per task (train/metrics.py computes them).
+# Metric names a recipe may add under `metrics:`, per task (train/loop/metrics.py computes them).
 METRICS = {
     "classification": ("accuracy", "top5_accuracy"),
     "regression": ("mae", "rmse", "r2", "mse"),

@@ -129,7 +129,7 @@ class Recipe(BaseModel):
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     loader: LoaderSection = Field(default_factory=LoaderSection)
 
-    # Training controls (train/controls.py): all optional; the defaults follow the dataset's task.
+    # Training controls (train/assemble.py): all optional; the defaults follow the dataset's task.
     loss: Union[PluginSection, None] = Field(None, description="a torch.nn loss by snake_case name (mse, cross_entropy, ...) or an mpsrun.losses plugin, with its arguments")
     metrics: list[str] = Field(default_factory=list, description="metrics beside the task's defaults (top5_accuracy, mse, mae, rmse, r2, accuracy)")
     scheduler: Union[SchedulerSection, None] = Field(None, description="a torch.optim.lr_scheduler class by name (CosineAnnealingLR), its arguments, interval, warmup_epochs")

@@ -23,13 +23,15 @@ from mpsrun.plugins import registry as plugins
 from mpsrun.plugins import resolve as resolve_recipe
 from mpsrun.plugins.components import METRICS
 from mpsrun.plugins.contract import DataSplits
-from mpsrun.track import eval_log, figures, standard
-from mpsrun.track import store as tracking
-from mpsrun.track.datasets import Split
-from mpsrun.train.data import raw_tensors
-from mpsrun.train.losses import build_loss
-from mpsrun.train.metrics import MetricSet, target_units
-from mpsrun.train.runner import InputError
+from mpsrun.track.records import eval_log
+from mpsrun.track.records import figures
+from mpsrun.track.records import standard
+from mpsrun.track.store import client as tracking
+from mpsrun.track.records.datasets import Split
+from mpsrun.train.loop.data import raw_tensors
+from mpsrun.train.loop.losses import build_loss
+from mpsrun.train.loop.metrics import MetricSet, target_units
+from mpsrun.train.setup import InputError
 
 SPLITS = {"val": "validation", "test": "test", "train": "training"}
 ALLOWED_OVERRIDES = ("dataset.", "batch_size=")
@@ -90,7 +92,7 @@ def measure(
     """Loss and the task's metrics over `ds`, as training computes them; (metrics, targets, outputs).
 
     The task, the loss (the recipe's `loss:` section, {"name": ..., **kwargs}) and the
-    metrics are the training run's own (train/losses.py, train/metrics.py), so `eval_loss`
+    metrics are the training run's own (train/loop/losses.py, train/loop/metrics.py), so `eval_loss`
     of the logged model on the same split equals the run's `val_loss` for those weights, and a
     regression run reports `eval_mae`, `eval_rmse`, `eval_r2` in the target's own units (the
     dataset's `target_std`), never an accuracy. Without `splits` the task is read from the data:

@@ -18,7 +18,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from mpsrun.train.engine import EpochMetrics, Listener
+from mpsrun.train.loop.engine import EpochMetrics, Listener
 
 
 def quality(m: EpochMetrics) -> str:

@@ -1,14 +1,15 @@
 """What a run leaves in MLflow beyond metrics: the pieces MLflow's UI is built to show.
 
-The runner calls three hooks: `begin` right after the run starts (experiment kind,
-standard tags, dataset inputs, system metrics), `callback` among the epoch
-callbacks (learning curves refreshed every few epochs on long runs) and `end` once
-training is over (figures, the description, the logged and registered model).
-`stop` always runs, so the system-metrics thread never outlives the run.
+The runner calls three hooks: `open_for` right after the run starts (experiment kind,
+standard tags, dataset inputs, system metrics; `begin` on the recording rank),
+`callbacks` among the epoch callbacks (learning curves refreshed every few epochs on
+long runs) and `finish` once training is over (figures, the description, the logged and
+registered model: `end`). `stop` always runs, so the system-metrics thread never
+outlives the run.
 
 This module only gathers what the training objects know (tensors, plugin names,
 the epoch history, the validation outputs, a CPU copy of the model) and hands it,
-as plain data, to `tracker.hook(...)` (`track/hooks.py`): every MLflow call lives in
+as plain data, to `tracker.hook(...)` (`track/records/hooks.py`): every MLflow call lives in
 `mpsrun.track`, and with the MLflow helper process (the default for `mpsrun run`)
 it runs there, so this process imports neither mlflow nor matplotlib.
 """
@@ -25,16 +26,19 @@ import numpy as np
 import torch
 
 from mpsrun.plugins import registry as plugins
-from mpsrun.track import datasets as track_datasets
-from mpsrun.track import hooks, model_log, standard
-from mpsrun.train.callbacks import Callback, RunState
-from mpsrun.train.data import raw_tensors
-from mpsrun.train.metrics import target_units
+from mpsrun.track.records import datasets as track_datasets
+from mpsrun.track.records import hooks
+from mpsrun.track.records import model_log
+from mpsrun.track.records import standard
+from mpsrun.train.controls.callbacks import Callback, RunState
+from mpsrun.train.ranks import distributed
+from mpsrun.train.loop.data import raw_tensors
+from mpsrun.train.loop.metrics import target_units
 
 if TYPE_CHECKING:
-    from mpsrun.track.store import Tracker
-    from mpsrun.train.engine import TrainResult
-    from mpsrun.train.runner import Setup
+    from mpsrun.track.store.client import Tracker
+    from mpsrun.train.loop.engine import TrainResult
+    from mpsrun.train.setup import Setup
 
 FIGURE_EVERY = 5  # epochs between learning-curve refreshes on runs longer than this
 EXAMPLE_ROWS = 5  # validation samples in the logged input example
@@ -237,6 +241,36 @@ def _log_model(rec: Recorder, result: "TrainResult") -> None:
     if rec.model.registered:
         tags["mpsrun.registered_model"] = rec.model.registered
     tracker.set_tags(tags)
+
+
+def finish(rec: Recorder, result: "TrainResult") -> list[str]:
+    """After training: figures, description and model on the main process, then the monitor stopped.
+
+    Returns the notes this added (the runner prints and tags them). The one place that
+    knows rank 0 alone records, and that a store gone away takes metrics but not models.
+    """
+    seen = len(rec.notes)
+    if distributed.is_main_process():
+        distributed.for_recording(rec.setup)  # the user's module and the whole validation set, on rank 0
+        away = getattr(rec.tracker, "store_away", None)
+        if away is not None and away():  # the spool keeps metrics, params, tags and status, not models
+            rec.notes.append("the tracking store is away at the end of training: figures and the logged model are skipped (metrics, params, tags and the final status are spooled)")
+        else:
+            end(rec, result)
+    stop(rec)
+    return rec.notes[seen:]
+
+
+def open_for(tracker: "Tracker", setup: "Setup") -> Recorder:
+    """`begin` on the process that records (rank 0 of a job, or the only one); a silent Recorder elsewhere."""
+    if distributed.is_main_process():
+        return begin(tracker, setup, setup.resolved.recipe.tracking.system_metrics)
+    return Recorder(tracker, setup)
+
+
+def callbacks(rec: Recorder) -> list[Callback]:
+    """The epoch callbacks recording adds (none on a rank that does not record)."""
+    return [callback(rec)] if distributed.is_main_process() else []
 
 
 def stop(rec: Recorder | None) -> None:

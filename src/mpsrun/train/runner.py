@@ -8,6 +8,7 @@ nothing of MLflow or YAML.
 from __future__ import annotations
 
 import inspect
+import json
 import random
 import sys
 from dataclasses import dataclass, field
@@ -23,42 +24,20 @@ from mpsrun.plugins import registry as plugins
 from mpsrun.plugins.contract import DataSplits
 from mpsrun.recipe.load import Resolved, flatten
 from mpsrun.recipe.model import Recipe
-from mpsrun.track import store as tracking
-from mpsrun.track.standard import bookkeeping
-from mpsrun.train import controls, distributed, final_eval, job_run, record, schedulers, shards
-from mpsrun.train.callbacks import Callback, Callbacks, RunState  # noqa: F401 - Callbacks: public here
-from mpsrun.train.continuity import Continuity, ResumePoint
-from mpsrun.train.data import BatchPlan, plan_batches
-from mpsrun.train.engine import Listener, Listeners, Options, TrainResult, train
-
-
-class InputError(Exception):
-    """Bad input discovered while setting up (device, data files): exit code 2, nothing logged."""
-
-
-class RunFailed(Exception):
-    """Training failed after the MLflow run started; the run is marked FAILED."""
-
-    def __init__(self, message: str, run_id: str | None) -> None:
-        super().__init__(message)
-        self.run_id = run_id
-
-
-@dataclass
-class Setup:
-    """Everything built from a recipe, before any training step."""
-
-    resolved: Resolved
-    choice: devices.DeviceChoice
-    splits: DataSplits
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    plan: BatchPlan
-    options: Options
-    notes: list[str] = field(default_factory=list)
-    callbacks: list[Callback] = field(default_factory=list)  # called between epochs, in this order
-    objective: controls.Objective | None = None  # loss, metrics, clipping, accumulation (train/controls.py)
-    extras: dict = field(default_factory=dict)  # RunState.extras: the scheduler, ... (checkpoints carry them)
+from mpsrun.track.store import client as tracking
+from mpsrun.track.records.standard import bookkeeping
+from mpsrun.train import assemble as controls
+from mpsrun.train.ranks import distributed
+from mpsrun.train.keep import final_eval
+from mpsrun.train.ranks import job_run
+from mpsrun.train import record
+from mpsrun.train.controls import schedulers
+from mpsrun.train.loop import shards
+from mpsrun.train.controls.callbacks import Callback, Callbacks, RunState  # noqa: F401 - Callbacks: public here
+from mpsrun.train.keep.continuity import Continuity, ResumePoint
+from mpsrun.train.loop.data import BatchPlan, plan_batches
+from mpsrun.train.loop.engine import Listener, Listeners, Options, TrainResult, train
+from mpsrun.train.setup import InputError, RunFailed, Setup  # noqa: F401 - public here: callers catch runner.InputError
 
 
 @dataclass
@@ -277,109 +256,30 @@ def experiment_name(resolved: Resolved) -> str:
 
 
 def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = None, parent_run_id: str | None = None, tags: dict[str, str] | None = None, resume: ResumePoint | None = None, experiment: str | None = None, tracker: Any = None) -> RunSummary:
-    """Start the MLflow run (or continue one: `resume`), train, and record the outcome, whatever it is.
+    """The life of a run: open it in MLflow, train with its callbacks, close it, whatever the outcome.
 
-    `tracker`: one already being set up (`track.background`, started before torch was
-    imported); by default a `store.Tracker` is set up here.
+    `tracker`: one already being set up (`track.helper.background`, started before torch
+    was imported); by default one is set up here. `resume`: the same MLflow run goes on.
     """
-    r = setup.resolved
-    recipe = r.recipe
+    recipe = setup.resolved.recipe
     if tracker is None:
         uri, artifact_root = tracking.resolve_uri(tracking_uri)
-        experiment = experiment or experiment_name(r)
-        tracker = job_run.tracker(uri, experiment, artifact_root)  # rank 0 alone writes: one run per job
-    job_tags, rank_facts = job_run.job_tags(setup.choice.device, devices.choice_tags(setup.choice))
-    all_tags = {**run_tags(setup), **job_tags, **(tags or {})}
-    if resume is None:
-        info = tracker.start(recipe.tracking.run_name or record.default_run_name(setup), all_tags, parent_run_id)
-    else:  # the same run goes on; its params stay as first logged (MLflow params are immutable)
-        info = tracker.attach(resume.run_id)
-        if job_tags:  # the ranks that train now (pids, devices; the world size: see Continuity)
-            tracker.set_tags(job_tags)
-    job_run.publish_run_id(info.run_id)
-    main = distributed.is_main_process()
-    rec = record.begin(tracker, setup, recipe.tracking.system_metrics) if main else record.Recorder(tracker, setup)  # experiment kind, standard tags, datasets, system metrics
-    if resume is None:
-        tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": setup.plan.train.samples, "data.val_size": setup.plan.val.samples})
-    tracker.log_text(r.as_yaml(), "recipe.yaml")
-    if rank_facts:
-        import json
-
-        tracker.log_text(json.dumps(rank_facts, indent=2), "distributed_ranks.json")
-    if setup.splits.info:  # e.g. tabular's category vocabularies: needed to use the weights later
-        import json
-
-        tracker.log_text(json.dumps(setup.splits.info, indent=2, default=str), "data_info.json")
-
-    landed = resume.landed if resume is not None else frozenset()
-
-    class _Log(Listener):
-        def on_epoch_end(self, m):  # type: ignore[no-untyped-def]
-            if m.epoch in landed:  # logged before the stop, its checkpoint not (train/resume.py: _landed_after)
-                return
-            tracker.log_metrics({**m.metrics(), "mpsrun/epochs_done": m.epoch + 1}, step=m.epoch)
-
-    listeners = Listeners(listener, _Log())
-    if landed:
-        listeners.on_note(f"resume: epoch {', '.join(str(e + 1) for e in sorted(landed))}'s metrics reached the run before the stop "
-                          "but not its checkpoint; trained again from the checkpoint, not logged twice")
-    for note in setup.notes + setup.options.notes + rec.notes:
-        listeners.on_note(note)
-    setup.notes.extend(rec.notes)
+        tracker = job_run.tracker(uri, experiment or experiment_name(setup.resolved), artifact_root)  # rank 0 alone writes
+    info, all_tags = _open_run(setup, tracker, parent_run_id, tags, resume)
+    rec = record.open_for(tracker, setup)  # experiment kind, standard tags, datasets, system metrics
+    listeners = _listeners(setup, tracker, listener, resume, rec)
     keep = Continuity(setup, tracker, all_tags, listeners.on_note, resume)  # liveness, non-finite guard, checkpoints
     listeners.items.append(keep.guard.listener)
     state = RunState(setup.model, setup.optimizer, setup.choice.device, recipe.epochs, log=tracker)
     state.extras.update(setup.extras)  # the LR scheduler: checkpoints save and restore it
     try:
         canary.guard(setup, tracker.set_tags, listeners.on_note)  # wrong-answer ops stop the run here
-        result = train(
-            setup.model,
-            setup.optimizer,
-            setup.plan,
-            setup.choice.device,
-            recipe.epochs,
-            setup.options,
-            listeners,
-            callbacks=keep.callbacks([*setup.callbacks, *([record.callback(rec)] if main else [])]),
-            state=state,
-            start_epoch=keep.start_epoch,
-            objective=setup.objective,
-        )
+        result = train(setup.model, setup.optimizer, setup.plan, setup.choice.device, recipe.epochs, setup.options, listeners,
+                       callbacks=keep.callbacks([*setup.callbacks, *record.callbacks(rec)]), state=state,
+                       start_epoch=keep.start_epoch, objective=setup.objective)
         keep.after_fit(state, setup.model)  # model_from: best puts the best weights back before they are logged
-        test_metrics: dict[str, float] = {}
-        if setup.splits.test is not None and setup.objective is not None:  # after that: the weights that are logged
-            test_metrics = final_eval.evaluate(setup.model, setup.optimizer, setup.objective, setup.splits.test, recipe.batch_size, setup.choice.device, setup.options, setup.splits.transform)
-            tracker.log_metrics(test_metrics)
-        tracker.log_metrics(result.summary())
-        errors = tracker.flush()
-        tracker.log_metrics(
-            bookkeeping(
-                {
-                    "mlflow_log_time_s": tracker.log_time_s,
-                    "mlflow_log_time_during_training_s": tracker.log_time_during_s,
-                    "mlflow_handoff_time_s": tracker.handoff_time_s,
-                    **({"mlflow_setup_wait_s": tracker.setup_wait_s} if hasattr(tracker, "setup_wait_s") else {}),
-                }
-            )
-        )
-        seen = len(rec.notes)
-        if main:
-            distributed.for_recording(setup)  # the user's module and the whole validation set, on rank 0
-            away = getattr(tracker, "store_away", None)
-            if away is not None and away():  # the store is away: the spool keeps metrics, params, tags and status, not models
-                rec.notes.append("the tracking store is away at the end of training: figures and the logged model are skipped (metrics, params, tags and the final status are spooled)")
-            else:
-                record.end(rec, result)  # figures, description, the logged (and registered) model
-        record.stop(rec)
-        for note in rec.notes[seen:]:
-            listeners.on_note(note)
-            setup.notes.append(note)
-        tracker.log_metrics(bookkeeping(rec.timings))
-        tracker.set_tags({**setup.options.as_params(), "mpsrun.notes": " | ".join(setup.notes + setup.options.notes) or "none"})
-        if errors:
-            tracker.set_tags({"mpsrun.logging_errors": " | ".join(errors)})
-        if not recipe.tracking.log_model:
-            tracker.set_tags({"mpsrun.model_artifact": "skipped (tracking.log_model: false)"})
+        test_metrics = _test(setup, tracker)  # after that: on the weights that are logged
+        _close_records(setup, tracker, rec, result, listeners)
     except KeyboardInterrupt as e:
         record.stop(rec)
         keep.interrupted(e, state.epoch)
@@ -400,6 +300,83 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
     tracker.finish("FINISHED")
     model_uri = rec.model.registered or rec.model.model_uri if rec.model else None
     return RunSummary(info, result, setup, tracker.log_time_s, model_uri, test_metrics)
+
+
+def _open_run(setup: Setup, tracker: Any, parent_run_id: str | None, tags: dict[str, str] | None, resume: ResumePoint | None) -> tuple[tracking.RunInfo, dict[str, str]]:
+    """Start the run (or attach to the one a resume continues) with its tags, params and recipe text."""
+    r = setup.resolved
+    job_tags, rank_facts = job_run.job_tags(setup.choice.device, devices.choice_tags(setup.choice))
+    all_tags = {**run_tags(setup), **job_tags, **(tags or {})}
+    if resume is None:
+        info = tracker.start(r.recipe.tracking.run_name or record.default_run_name(setup), all_tags, parent_run_id)
+        tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": setup.plan.train.samples, "data.val_size": setup.plan.val.samples})
+    else:  # the same run goes on; its params stay as first logged (MLflow params are immutable)
+        info = tracker.attach(resume.run_id)
+        if job_tags:  # the ranks that train now (pids, devices; the world size: see Continuity)
+            tracker.set_tags(job_tags)
+    job_run.publish_run_id(info.run_id)
+    tracker.log_text(r.as_yaml(), "recipe.yaml")
+    if rank_facts:
+        tracker.log_text(json.dumps(rank_facts, indent=2), "distributed_ranks.json")
+    if setup.splits.info:  # e.g. tabular's category vocabularies: needed to use the weights later
+        tracker.log_text(json.dumps(setup.splits.info, indent=2, default=str), "data_info.json")
+    return info, all_tags
+
+
+def _listeners(setup: Setup, tracker: Any, listener: Listener | None, resume: ResumePoint | None, rec: record.Recorder) -> Listeners:
+    """The caller's listener (the progress bar) and the one that logs each epoch's metrics; the notes so far said."""
+    landed = resume.landed if resume is not None else frozenset()
+
+    class _Log(Listener):
+        def on_epoch_end(self, m):  # type: ignore[no-untyped-def]
+            if m.epoch in landed:  # logged before the stop, its checkpoint not (train/keep/resume.py: _landed_after)
+                return
+            tracker.log_metrics({**m.metrics(), "mpsrun/epochs_done": m.epoch + 1}, step=m.epoch)
+
+    listeners = Listeners(listener, _Log())
+    if landed:
+        listeners.on_note(f"resume: epoch {', '.join(str(e + 1) for e in sorted(landed))}'s metrics reached the run before the stop "
+                          "but not its checkpoint; trained again from the checkpoint, not logged twice")
+    for note in setup.notes + setup.options.notes + rec.notes:
+        listeners.on_note(note)
+    setup.notes.extend(rec.notes)
+    return listeners
+
+
+def _test(setup: Setup, tracker: Any) -> dict[str, float]:
+    """The test split, once, when the dataset has one."""
+    if setup.splits.test is None or setup.objective is None:
+        return {}
+    metrics = final_eval.evaluate(setup.model, setup.optimizer, setup.objective, setup.splits.test, setup.resolved.recipe.batch_size,
+                                  setup.choice.device, setup.options, setup.splits.transform)
+    tracker.log_metrics(metrics)
+    return metrics
+
+
+def _close_records(setup: Setup, tracker: Any, rec: record.Recorder, result: TrainResult, listeners: Listeners) -> None:
+    """Summary metrics, the records beyond metrics (figures, model), the notes as tags."""
+    recipe = setup.resolved.recipe
+    tracker.log_metrics(result.summary())
+    errors = tracker.flush()
+    tracker.log_metrics(
+        bookkeeping(
+            {
+                "mlflow_log_time_s": tracker.log_time_s,
+                "mlflow_log_time_during_training_s": tracker.log_time_during_s,
+                "mlflow_handoff_time_s": tracker.handoff_time_s,
+                **({"mlflow_setup_wait_s": tracker.setup_wait_s} if hasattr(tracker, "setup_wait_s") else {}),
+            }
+        )
+    )
+    for note in record.finish(rec, result):  # figures, description, the logged (and registered) model
+        listeners.on_note(note)
+        setup.notes.append(note)
+    tracker.log_metrics(bookkeeping(rec.timings))
+    tracker.set_tags({**setup.options.as_params(), "mpsrun.notes": " | ".join(setup.notes + setup.options.notes) or "none"})
+    if errors:
+        tracker.set_tags({"mpsrun.logging_errors": " | ".join(errors)})
+    if not recipe.tracking.log_model:
+        tracker.set_tags({"mpsrun.model_artifact": "skipped (tracking.log_model: false)"})
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

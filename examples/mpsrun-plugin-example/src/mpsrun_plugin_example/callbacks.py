@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from mpsrun.train.callbacks import Callback, RunState
+from mpsrun import Callback, RunState
 
 
 class BestMetric(Callback):

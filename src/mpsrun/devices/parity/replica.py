@@ -25,7 +25,7 @@ from mpsrun.plugins.registry import PluginError
 from mpsrun.recipe.load import Resolved
 from mpsrun.recipe.model import DEVICE_PATTERN
 from mpsrun.train import runner
-from mpsrun.train.losses import TaskLoss, build_loss
+from mpsrun.train.loop.losses import TaskLoss, build_loss
 
 DEFAULT_STEPS = 20
 PROBE_SIZE = 128

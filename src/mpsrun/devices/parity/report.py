@@ -8,7 +8,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 
 from mpsrun.devices.parity.tolerance import Diff, Tolerance
-from mpsrun.track import store as tracking
+from mpsrun.track.store import client as tracking
 
 
 @dataclass

@@ -114,7 +114,7 @@ from mpsrun.devices.parity.tolerance import (  # noqa: F401
     relative,
 )
 from mpsrun.recipe.load import Resolved, flatten
-from mpsrun.track import store as tracking
+from mpsrun.track.store import client as tracking
 from mpsrun.train import runner
 
 

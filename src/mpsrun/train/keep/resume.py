@@ -1,0 +1,160 @@
+"""`mpsrun resume`: from a run id to a recipe and a checkpoint to continue from, or a clear refusal.
+
+Everything comes from the tracking store (the recipe logged on the run, its
+`checkpoints/last.pt`), so a run resumes from any folder or machine that reaches
+the store. Refusals are bad input (exit 2): an unknown id, no checkpoint, a
+finished run without more epochs, a run whose process is still alive.
+
+A data-parallel run (tagged `distributed.world_size`) resumes as a job of that many
+ranks (cli/resume.py launches them). The launcher plans in full and leaves the files
+it fetched in a folder named by `MPSRUN_RESUME_DIR`; rank 0 plans again from those
+files (or downloads them, under torchrun), the other ranks read only the recipe
+(`checkpoint=False`) and take the checkpoint from rank 0 once the group is joined
+(`distributed.broadcast_object`): one download, and only rank 0's pid is the run's.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpsrun.recipe.load import Resolved
+from mpsrun.track.store import liveness
+from mpsrun.track.store.runs import RunFiles, experiment_names, get_run
+from mpsrun.train.keep import checkpoint as ckpt
+from mpsrun.train.keep.continuity import ResumePoint
+
+
+ENV_FILES = "MPSRUN_RESUME_DIR"  # set by the launcher of a multi-rank resume: the files it already fetched
+WORLD_TAG = "distributed.world_size"
+
+
+class ResumeRefused(Exception):
+    """Why this run cannot be resumed (exit code 2)."""
+
+
+@dataclass
+class Plan:
+    resolved: Resolved
+    point: ResumePoint
+    experiment: str
+    status: str  # the run's status before resuming (INTERRUPTED for a RUNNING run whose process is gone)
+    workdir: Path  # the downloaded files; the caller removes it when the run ends
+    world_size: int = 1  # the ranks the run last trained on (its `distributed.world_size` tag)
+
+
+def plan(uri: str, run_id: str, overrides: list[str], checkpoint: bool = True, files_dir: Path | None = None) -> Plan:
+    """Check the run can go on and fetch what it needs; raises ResumeRefused or RecipeError.
+
+    `checkpoint=False` (ranks 1.. of a resumed job): the recipe alone, no checks; the
+    checkpoint comes from rank 0. `files_dir`: files a launcher already fetched.
+    """
+    from mpsrun.plugins import resolve
+
+    run = get_run(uri, run_id)
+    if run is None:
+        exps = experiment_names(uri)
+        hint = f" (experiments there: {', '.join(exps[:8])}; list runs with `mpsrun runs`)" if exps else " (the store has no experiments)"
+        raise ResumeRefused(f"no run '{run_id}' in the tracking store {uri}{hint}")
+    status = run.info.status
+    tags = run.data.tags
+    if status == "RUNNING" and checkpoint:
+        v = liveness.check(tags)
+        if not v.gone:
+            raise ResumeRefused(
+                f"run {run_id} is still running ({v.reason}); stop it first (Ctrl-C or SIGTERM checkpoints it), "
+                "or wait for it to finish"
+            )
+        status = "INTERRUPTED"
+    files = RunFiles(uri, run_id)
+    work = Path(tempfile.mkdtemp(prefix=f"mpsrun-resume-{run_id[:8]}-"))
+    world = _int(tags.get(WORLD_TAG), 1)
+    exp = files.c.get_experiment(run.info.experiment_id).name
+
+    def fetch(name: str) -> Path | None:
+        if files_dir is not None and (files_dir / name).is_file():
+            return files_dir / name  # the launcher's copy: it removes that folder after the job
+        return files.download(name, work)
+
+    recipe_file = fetch("recipe.yaml")
+    if recipe_file is None:
+        raise ResumeRefused(f"run {run_id} has no recipe.yaml artifact: it was not started by `mpsrun run`")
+    if not checkpoint:
+        resolved = resolve(recipe_file, overrides)
+        _place(resolved, tags)
+        return Plan(resolved, ResumePoint(run_id, {}, None, list(overrides), world), exp, status, work, world)
+    last = fetch("checkpoints/last.pt")
+    if last is None:
+        why = tags.get("mpsrun.checkpoint", "it stopped before its first checkpoint was written")
+        raise ResumeRefused(f"run {run_id} has no checkpoint to resume from (checkpoints/last.pt): {why}")
+    try:
+        state = ckpt.load(last)
+    except ValueError as e:
+        raise ResumeRefused(str(e)) from None
+    resolved = resolve(recipe_file, overrides)
+    _place(resolved, tags)
+    done = int(state["epoch"]) + 1
+    epochs = resolved.recipe.epochs
+    if done >= epochs:
+        if status == "FINISHED" or not any(o.startswith("epochs=") for o in overrides):
+            raise ResumeRefused(
+                f"run {run_id} is {status} with all {epochs} epochs trained; pass epochs=N with N > {done} to train more"
+            )
+        raise ResumeRefused(f"epochs={epochs} is not more than the {done} epochs already trained")
+    if status == "FINISHED" and not any(o.startswith("epochs=") for o in overrides):
+        raise ResumeRefused(f"run {run_id} is FINISHED; pass epochs=N with N > {done} to train more")
+    best = fetch("checkpoints/best.pt")
+    same_path = status in ("INTERRUPTED", "KILLED") and all(o.startswith("epochs=") for o in overrides)
+    landed = _landed_after(files, run_id, done) if same_path else frozenset()
+    return Plan(resolved, ResumePoint(run_id, state, best, list(overrides), world, landed), exp, status, work, world)
+
+
+def _landed_after(files: RunFiles, run_id: str, done: int) -> frozenset[int]:
+    """Epochs at or after `done` whose per-epoch metrics are already in the run.
+
+    An epoch's metrics are made durable before its checkpoint is written (so a checkpoint
+    never runs ahead of its metrics); a stop between the two leaves that epoch's metrics
+    in the store and its checkpoint not. The resumed run trains that epoch again along
+    the same trajectory and must not log it a second time. Only asked where the path is
+    the same: a stopped run resumed without overrides other than `epochs=` (a FAILED run's
+    diverged epoch stays as evidence beside its retry, which logs its own figures).
+    """
+    try:
+        history = files.c.get_metric_history(run_id, "mpsrun/epochs_done")
+    except Exception:  # an older run without the metric, or a store that does not answer: log as usual
+        return frozenset()
+    return frozenset(int(m.step) for m in history if int(m.step) >= done)
+
+
+def files_from_env() -> Path | None:
+    """The folder a resume launcher fetched the run's files into (rank 0 of the job it started)."""
+    d = os.environ.get(ENV_FILES)
+    return Path(d) if d and Path(d).is_dir() else None
+
+
+def world_note(recorded: int, chosen: int) -> str | None:
+    """What to say when a run resumes on another number of ranks than it trained on."""
+    if recorded == chosen:
+        return None
+    how = f"{chosen} rank{'s' if chosen > 1 else ''}" if chosen > 1 else "one process"
+    return (
+        f"the run trained on {recorded} rank{'s' if recorded > 1 else ''} (distributed.world_size {recorded}); resuming on {how}. "
+        "batch_size stays the global batch, so the trajectory is the same up to float rounding "
+        "(a last batch smaller than the rank count is dropped; BatchNorm statistics are per rank)"
+    )
+
+
+def _int(v: str | None, default: int) -> int:
+    try:
+        return int(v) if v is not None else default
+    except ValueError:
+        return default
+
+
+def _place(resolved: Resolved, tags: dict[str, str]) -> None:
+    """Paths in the recipe (a CSV beside it) are read relative to where the run's recipe was, when that folder exists."""
+    where = tags.get("mpsrun.recipe_dir")
+    if where and Path(where).is_dir():
+        resolved.source.path = Path(where) / Path(tags.get("mpsrun.recipe", "recipe.yaml")).name

@@ -1,0 +1,1 @@
+"""The loop: the engine, the step, the objective, batches and shards, metrics and losses, the events it emits."""

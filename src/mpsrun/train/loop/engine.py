@@ -1,0 +1,160 @@
+"""The training loop: each epoch trains, then validates; timed with the device synchronised.
+
+Reads top to bottom like a hand-written script, with two differences that make it
+fast: losses and correct-counts accumulate on the device and are read once per
+epoch (no host sync in the step loop), and on CUDA a whole group of training steps
+(forward, backward, optimizer) can be captured once as a CUDA graph and replayed,
+which removes per-kernel launch cost for small models. The engine never prints:
+it reports to a Listener.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpsrun.devices import resolve as devices
+from mpsrun.train.controls.callbacks import Callback, RunState
+from mpsrun.train.loop.data import BatchPlan, ResidentBatches
+from mpsrun.train.loop.events import EpochMetrics, Listener, Listeners, TrainResult
+from mpsrun.train.ranks.distributed import reduce_sums
+from mpsrun.train.loop.objective import Objective
+from mpsrun.train.loop.steps import GRAPH_STEPS, GraphTrainer, Options, Trainer, restore_state, snapshot_state
+
+__all__ = ["GRAPH_STEPS", "EpochMetrics", "GraphTrainer", "Listener", "Listeners", "Options", "TrainResult", "Trainer", "train"]
+
+# ----------------------------------------------------------------------------- steps
+
+
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: BatchPlan,
+    device: torch.device,
+    epochs: int,
+    options: Options,
+    listener: Listener,
+    callbacks: Callback | None = None,
+    state: RunState | None = None,
+    start_epoch: int = 0,
+    objective: Objective | None = None,
+) -> TrainResult:
+    """Train epochs `start_epoch`..`epochs - 1`, validating after each; returns every epoch's measured figures.
+
+    Callbacks run between epochs (after the listener has the epoch's metrics) and
+    may end the run early through `state.request_stop`.
+    """
+    trainer: Trainer = (GraphTrainer if options.graphs else Trainer)(model, optimizer, device, options, plan.transform, objective)
+    listener.on_start(epochs, len(plan.train), len(plan.val))
+    callbacks = callbacks or Callback()
+    state = state or RunState(model, optimizer, device, epochs)
+    if trainer.scaler is not None:  # fp16: checkpoints carry the grad scaler; a restored one is used
+        trainer.scaler = state.extras.setdefault("scaler", trainer.scaler)
+    n_train = plan.train.samples
+    n_val = plan.val.samples
+    results: list[EpochMetrics] = []
+    devices.reset_peak_memory(device)
+    peak = 0
+    callbacks.on_fit_start(state)
+    for epoch in range(start_epoch, epochs):
+        state.epoch = epoch
+        for batches in (plan.train, plan.val):  # data order: a pure function of (seed, epoch), so resume is exact
+            getattr(batches, "set_epoch", lambda e: None)(epoch)
+        callbacks.on_epoch_start(state, epoch)
+        trainer.loss_sum.zero_()
+        lr = optimizer.param_groups[0]["lr"]
+        lr = float(lr)  # the rate this epoch trains at (a tensor under graphs: read before the clock)
+        devices.synchronize(device)
+        t0 = time.perf_counter()
+        if epoch == start_epoch and options.compile:
+            _compile_or_eager(trainer, plan, listener)  # compilation counts as warm-up
+        if epoch == start_epoch and isinstance(trainer, GraphTrainer):
+            trainer = _capture_or_eager(trainer, plan, listener)  # capture counts as warm-up
+        trainer.train_epoch(plan, epoch, listener)
+        devices.synchronize(device)
+        t1 = time.perf_counter()
+        reduce_sums(trainer.loss_sum)  # over every rank of a DDP job; a no-op in one process
+        train_loss = trainer.loss_sum.item() / n_train  # the epoch's one read of the loss
+        extra = {"lr": lr, **trainer.objective.epoch_metrics()}
+        listener.on_validate(epoch)
+        trainer.loss_sum.zero_()
+        trainer.objective.metrics.reset()
+        trainer.val_epoch(plan)
+        devices.synchronize(device)
+        t2 = time.perf_counter()
+        reduce_sums(trainer.loss_sum, *trainer.objective.metrics.tensors())  # the whole validation set, across ranks
+        val_loss = trainer.loss_sum.item() / n_val
+        extra.update(trainer.objective.metrics.compute(n_val))
+        val_acc = extra.pop("val_accuracy", None)
+        peak = max(peak, devices.memory_bytes(device))
+        m = EpochMetrics(
+            epoch=epoch,
+            train_loss=train_loss,
+            val_loss=val_loss,
+            val_accuracy=val_acc,
+            epoch_time_s=t2 - t0,
+            train_time_s=t1 - t0,
+            val_time_s=t2 - t1,
+            train_samples_per_s=n_train / max(t1 - t0, 1e-9),
+            memory_bytes=peak,
+            extra=extra,
+        )
+        results.append(m)
+        listener.on_epoch_end(m)
+        state.history.append(m.metrics())
+        callbacks.on_epoch_end(state, epoch, m.metrics())
+        if state.should_stop:
+            break
+    callbacks.on_fit_end(state)
+    return TrainResult(results, state.stop_reason)
+
+
+def _capture_or_eager(trainer: "GraphTrainer", plan: BatchPlan, listener: Listener) -> Trainer:
+    """Capture every graph the epochs need; on failure say so and run eager."""
+    try:
+        trainer.capture(plan)
+        return trainer
+    except Exception as e:
+        note = f"graphs: CUDA graph capture failed ({type(e).__name__}: {e}); running eager"
+        trainer.options.notes.append(note)
+        trainer.options.graphs = False
+        listener.on_note(note)
+        return Trainer(trainer.model, trainer.optimizer, trainer.device, trainer.options, trainer.transform, trainer.objective)
+
+
+def _first_batch(batches: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(batches, ResidentBatches):
+        return batches.x[: batches.batch_size], batches.y[: batches.batch_size]
+    return next(iter(batches))
+
+
+def _compile_or_eager(trainer: Trainer, plan: BatchPlan, listener: Listener) -> None:
+    """torch.compile fails lazily, at the first call: provoke it now, on one step that is undone.
+
+    On failure the original module (same parameters, same optimizer) runs eager,
+    and the fallback is said on screen and recorded.
+    """
+    base = getattr(trainer.model, "_orig_mod", trainer.model)  # same tensors, stable key names
+    snapshot = snapshot_state(base, trainer.optimizer, trainer.accumulators())
+    try:
+        for kind, batches in (("train", plan.train), ("val", plan.val)):
+            x, y = _first_batch(batches)
+            if kind == "train":
+                trainer.model.train()
+                trainer.train_step(x, y)
+            else:
+                trainer.model.eval()
+                with torch.no_grad():
+                    trainer.val_step(x, y)
+    except Exception as e:
+        note = f"compile: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:300]}); running eager"
+        trainer.options.notes.append(note)
+        trainer.options.compile = False
+        trainer.model = base
+        listener.on_note(note)
+    finally:
+        trainer.model.train()
+        restore_state(base, trainer.optimizer, snapshot)

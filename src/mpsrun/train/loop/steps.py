@@ -1,0 +1,262 @@
+"""One training step and one validation step, eager or replayed as CUDA graphs.
+
+Apart from the loop (engine.py) so the loop reads as a script and the step, where
+the speed lives, can grow (losses, clipping, accumulation) in a room of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from mpsrun.train.ranks import distributed
+from mpsrun.train.loop.data import BatchPlan, ResidentBatches
+from mpsrun.train.loop.events import Listener
+from mpsrun.train.loop.objective import Objective, micro_batches
+
+GRAPH_STEPS = 16  # training steps per CUDA graph replay
+
+
+@dataclass
+class Options:
+    """Speed options after `auto` is resolved for the device; all recorded on the run."""
+
+    precision: str = "fp32"
+    channels_last: bool = False
+    compile: bool = False
+    graphs: bool = False
+    log_every: int = 0
+    cudnn_benchmark: bool = False
+    notes: list[str] = field(default_factory=list)  # fallbacks and skipped optimisations
+
+    def as_params(self) -> dict[str, str]:
+        return {
+            "resolved.precision": self.precision,
+            "resolved.channels_last": str(self.channels_last).lower(),
+            "resolved.compile": str(self.compile).lower(),
+            "resolved.graphs": str(self.graphs).lower(),
+            "resolved.cudnn_benchmark": str(self.cudnn_benchmark).lower(),
+        }
+
+
+class Trainer:
+    """Eager training and validation steps; the reference that graphs must match."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        options: Options,
+        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        objective: Objective | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.device = device
+        self.options = options
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options.precision)
+        self.scaler = torch.amp.GradScaler(device.type) if options.precision == "fp16" else None
+        self.loss_sum = torch.zeros((), device=device)
+        self.transform = transform  # the dataset's, applied on the device inside the step
+        self.objective = objective or Objective.default(device)  # loss, metrics, clipping, accumulation
+        self.correct = self.objective.metrics.correct  # classification's correct-count (kept by name)
+
+    def accumulators(self) -> tuple[torch.Tensor, ...]:
+        """Every device-side sum a step adds to (warm-up and compile probes restore them)."""
+        return (self.loss_sum, *self.objective.tensors())
+
+    def autocast(self, cache: bool = True) -> contextlib.AbstractContextManager:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype, cache_enabled=cache)
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        if self.transform is not None:
+            x = self.transform(x)
+        if self.options.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, cache: bool = True, weight: float = 1.0, first: bool = True, last: bool = True) -> None:
+        """One micro-batch; the optimizer steps on the `last` of an accumulation group (see objective.py)."""
+        x = self.prepare(x)
+        with self.autocast(cache):
+            loss = self.objective.loss(self.model(x), y)
+        if first:
+            self.optimizer.zero_grad(set_to_none=True)
+        scaled = loss if weight == 1.0 else loss * weight
+        if self.scaler is not None:
+            self.scaler.scale(scaled).backward()
+            if last:
+                self.scaler.unscale_(self.optimizer)  # clip true gradients, not scaled ones
+                self.objective.clip(self.model)
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+        else:
+            scaled.backward()
+            if last:
+                self.objective.clip(self.model)
+                self.optimizer.step()
+        if last:
+            for hook in self.objective.after_step:
+                hook()
+        self.loss_sum.add_(loss.detach().float(), alpha=y.shape[0])
+
+    def val_step(self, x: torch.Tensor, y: torch.Tensor, cache: bool = True) -> None:
+        x = self.prepare(x)
+        with self.autocast(cache):
+            logits = self.model(x)
+        self.loss_sum.add_(self.objective.loss(logits, y).float(), alpha=y.shape[0])
+        self.objective.metrics.update(logits, y)
+
+    def train_epoch(self, plan: BatchPlan, epoch: int, listener: Listener) -> None:
+        self.model.train()
+        seen = 0
+        every = self.options.log_every
+        share = getattr(plan.train, "weight", None)  # a DDP rank: its share's loss weight per step (train/loop/shards.py)
+        if self.objective.accumulate > 1:  # groups of global batches, as one process makes them
+            bs = getattr(plan.train, "global_batch", None) or getattr(plan.train, "batch_size", None) or plan.train.loader.batch_size  # type: ignore[union-attr]
+            groups: Any = micro_batches(plan.train.samples, bs, self.objective.accumulate)
+        else:
+            groups = itertools.repeat((1.0, True, True))
+        for step, ((x, y), (weight, first, last)) in enumerate(zip(plan.train, groups), start=1):
+            if share is not None:
+                weight *= share.value  # set by the batches' iterator for this very step
+            with distributed.no_sync(self.model, skip=not last):  # DDP all-reduces once per optimizer step
+                self.train_step(x, y, weight=weight, first=first, last=last)
+            seen += y.shape[0]
+            loss = self.loss_sum.item() / seen if every and step % every == 0 else None
+            listener.on_step(epoch, step, seen, loss)
+
+    @torch.no_grad()
+    def val_epoch(self, plan: BatchPlan) -> None:
+        self.model.eval()
+        for x, y in plan.val:
+            self.val_step(x, y)
+
+
+class GraphTrainer(Trainer):
+    """Replays CUDA graphs of GRAPH_STEPS whole training steps over resident data.
+
+    Only for resident batches (static shapes, data already on the device). Batch
+    groups that do not fill a graph (the epoch's tail, the last short batch) get
+    graphs of their own, so every step replays. Capture needs eager warm-up steps;
+    the model and optimizer are restored afterwards so warm-up teaches nothing.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.pool = None
+
+    def _graph(self, kind: str, k: int, b: int, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        key = (kind, k, b)
+        if key in self.graphs:
+            return self.graphs[key]
+        sx = x[: k * b].reshape(k, b, *x.shape[1:]).clone()
+        sy = y[: k * b].reshape(k, b).clone()
+        step = self.train_step if kind == "train" else self.val_step
+        snapshot = snapshot_state(self.model, self.optimizer, self.accumulators())
+        try:
+            with torch.no_grad() if kind == "val" else contextlib.nullcontext():
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(3):  # warm-up: lazy state (optimizer, cuBLAS) exists before capture
+                        step(sx[0], sy[0], cache=False)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                self.optimizer.zero_grad(set_to_none=True)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    for j in range(k):
+                        step(sx[j], sy[j], cache=False)
+                self.pool = g.pool()
+        finally:
+            restore_state(self.model, self.optimizer, snapshot)  # captured kernels did not run
+        self.graphs[key] = (g, sx, sy)
+        return self.graphs[key]
+
+    def _groups(self, n: int, b: int) -> list[tuple[int, int]]:
+        """(steps, batch size) per replay: full groups, then single steps, then the short batch."""
+        full = n // b
+        groups = [(GRAPH_STEPS, b)] * (full // GRAPH_STEPS) + [(1, b)] * (full % GRAPH_STEPS)
+        if n % b:
+            groups.append((1, n % b))
+        return groups
+
+    def capture(self, plan: BatchPlan) -> None:
+        """Build every graph an epoch will replay, from the first batches (undone afterwards)."""
+        for kind, batches in (("train", plan.train), ("val", plan.val)):
+            assert isinstance(batches, ResidentBatches)
+            (self.model.train if kind == "train" else self.model.eval)()
+            for k, b in sorted(set(self._groups(batches.n, batches.batch_size)), reverse=True):
+                self._graph(kind, k, b, batches.x[: k * b], batches.y[: k * b])
+        self.model.train()
+
+    def _replay(self, kind: str, batches: ResidentBatches, x: torch.Tensor, y: torch.Tensor, on_group: Callable[[int], None] | None) -> None:
+        i = 0
+        for k, bs in self._groups(len(y), batches.batch_size):
+            xs, ys = x[i : i + k * bs], y[i : i + k * bs]
+            g, sx, sy = self._graph(kind, k, bs, xs, ys)
+            sx.copy_(xs.view(sx.shape))
+            sy.copy_(ys.view(sy.shape))
+            g.replay()
+            i += k * bs
+            if on_group is not None:
+                on_group(i)
+
+    def train_epoch(self, plan: BatchPlan, epoch: int, listener: Listener) -> None:
+        assert isinstance(plan.train, ResidentBatches)
+        self.model.train()
+        x, y = plan.train.epoch_tensors()
+        b = plan.train.batch_size
+
+        def report(seen: int) -> None:
+            listener.on_step(epoch, -(-seen // b), seen, None)
+
+        self._replay("train", plan.train, x, y, report)
+
+    @torch.no_grad()
+    def val_epoch(self, plan: BatchPlan) -> None:
+        assert isinstance(plan.val, ResidentBatches)
+        self.model.eval()
+        x, y = plan.val.epoch_tensors()
+        self._replay("val", plan.val, x, y, None)
+
+
+def snapshot_state(model: nn.Module, optimizer: torch.optim.Optimizer, extra: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+    """Values of everything a warm-up step changes: parameters, buffers, optimizer state, sums."""
+    return {
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state": {
+            id(p): {k: t.clone() for k, t in st.items() if torch.is_tensor(t)} for p, st in optimizer.state.items()
+        },
+        "extra": [(t, t.clone()) for t in extra],
+    }
+
+
+@torch.no_grad()
+def restore_state(model: nn.Module, optimizer: torch.optim.Optimizer, snap: dict[str, Any]) -> None:
+    """Undo warm-up in place: graphs keep pointers to these very tensors."""
+    for k, v in model.state_dict().items():
+        v.copy_(snap["params"][k])
+    for p, state in optimizer.state.items():
+        saved = snap["state"].get(id(p))
+        for k, t in state.items():
+            if not torch.is_tensor(t):
+                continue
+            if saved is not None and k in saved:
+                t.copy_(saved[k])
+            else:  # created by the warm-up: a fresh optimizer starts from zero
+                t.zero_()
+    for t, saved in snap["extra"]:
+        t.copy_(saved)
+
+
+# ----------------------------------------------------------------------------- loop
