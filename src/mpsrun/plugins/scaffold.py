@@ -228,7 +228,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from mpsrun.train.controls.callbacks import Callback, RunState
+from mpsrun import Callback, RunState
 
 
 class BestMetric(Callback):
@@ -311,7 +311,7 @@ def test_model_maps_inputs_to_class_scores() -> None:
 
 
 def test_callback_logs_the_best_value_and_stops_at_the_target() -> None:
-    from mpsrun.train.controls.callbacks import RunState
+    from mpsrun import RunState
 
     model = torch.nn.Linear(2, 2)
     run = RunState(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"), epochs=5)
