@@ -15,7 +15,8 @@ this times each command `--repeats` times and reports medians and ratios:
   written with `mpsrun.testing.idx` first, and the table says so.
 
 Every run uses one MLflow store in a temporary folder that an untimed warm-up round
-creates first (a user's store already exists). Writes a Markdown table to `--out` and,
+creates first (a user's store already exists); with `--fresh`, every timed run starts in
+a new empty folder and creates its own store (a first-time user's run). Writes a Markdown table to `--out` and,
 with `--update-docs`, into docs/benchmarks.md's "Start-up" section.
 
     python benchmarks/wall.py --repeats 5 --out wall.md [--helpers] [--update-docs]
@@ -197,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA commands even where CUDA is present")
     ap.add_argument("--cuda-only", action="store_true", help="only the CUDA floor and the fashion run (a GPU machine's short round)")
     ap.add_argument("--fashion-root", help="folder holding FashionMNIST/raw (default: synthetic data in a temp folder)")
+    ap.add_argument("--fresh", action="store_true", help="each timed run in a new empty folder with a new MLflow store (a first-time user), not one shared store")
     ap.add_argument("--update-docs", action="store_true", help="put the table into docs/benchmarks.md's Start-up section")
     ap.add_argument("--provisional", action="store_true", help="mark the docs block provisional (a busy machine)")
     ap.add_argument("--log", type=Path, help="every command's output (default: beside --out, else a temp file)")
@@ -212,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         if cuda:
             root, how = fashion_root(a.fashion_root, work)
             notes.append(f"fashion data: {how}")
+        if a.fresh:
+            notes.append("each timed run in a new empty folder that creates its own MLflow store (a first-time user)")
         cmds = commands(cuda, a.helpers, root)
         if a.cuda_only:
             cmds = [c for c in cmds if c.key in ("floor_cuda", "fashion")]
@@ -223,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(a.repeats):
                 order = cmds if i % 2 == 0 else list(reversed(cmds))  # alternate, so drift hits all alike
                 for c in order:
-                    w = timed(c, work, log)
+                    cwd = work
+                    if a.fresh:
+                        cwd = Path(tempfile.mkdtemp(prefix="round-", dir=work))
+                    w = timed(c, cwd, log)
                     if w is None:
                         c.failures += 1
                     else:

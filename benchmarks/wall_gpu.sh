@@ -22,5 +22,5 @@ fi
 export PYTHONUNBUFFERED=1 MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR=false
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1; nproc; uptime;
   python3 -c 'import torch, mlflow; print("torch", torch.__version__, "mlflow", mlflow.__version__)'; } | tee "$OUT/machine.txt"
-python3 benchmarks/wall.py --repeats "${REPEATS:-5}" ${HELPERS---helpers} ${CUDA_ONLY:+--cuda-only} --out "$OUT/wall.md" --log "$OUT/wall.log" ${FASHION_ROOT:+--fashion-root "$FASHION_ROOT"}
+python3 benchmarks/wall.py --repeats "${REPEATS:-5}" ${HELPERS---helpers} ${CUDA_ONLY:+--cuda-only} ${FRESH:+--fresh} --out "$OUT/wall.md" --log "$OUT/wall.log" ${FASHION_ROOT:+--fashion-root "$FASHION_ROOT"}
 echo "exit code: $?" | tee -a "$OUT/machine.txt"
