@@ -29,6 +29,10 @@ class DataSplits:
         model plugin that declares a `data_info` parameter. Keep it JSON-friendly.
         A regression dataset that standardised its target puts `target_mean` and
         `target_std` here, and metrics are reported in the target's own units.
+        Two keys the runner reads itself: `notes` (a list of strings, said on screen
+        and tagged `mpsrun.notes`: fallbacks, skipped files) and `tags` (a dict of
+        string tags set on the run, e.g. `mpsrun.data.cache: built`); `classes`
+        names the classes (figures, the logged model's metadata).
     task: "classification" (int64 labels, num_classes of them) or "regression"
         (float targets (N,) or (N, k); num_classes is 0). The runner fills a
         model's `num_outputs` with num_classes or k, and picks the default loss
@@ -61,7 +65,7 @@ class ImageTransform:
     scale: float = 1.0 / 255.0
     mean: Optional[tuple[float, ...]] = None
     std: Optional[tuple[float, ...]] = None
-    resize: Optional[int] = None
+    resize: Optional[int | tuple[int, int]] = None  # a square side, or (height, width)
     rgb: bool = False
 
     # Per-device (and per batch rank) affine coefficients, built on the first call (outside
@@ -84,6 +88,13 @@ class ImageTransform:
             self._affine[key] = (a.to(device), b.to(device))
         return self._affine[key]
 
+    def _hw(self) -> tuple[int, int] | None:
+        if self.resize is None:
+            return None
+        if isinstance(self.resize, int):
+            return (self.resize, self.resize)
+        return (int(self.resize[0]), int(self.resize[1]))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         a, b = self._coefficients(x.device, x.dim())
         x = torch.addcmul(b, x.float(), a)
@@ -91,8 +102,9 @@ class ImageTransform:
             if self.resize is not None or self.rgb:
                 raise ValueError(f"ImageTransform: resize and rgb need image batches (N, C, H, W), got shape {tuple(x.shape)}")
             return x
-        if self.resize is not None and x.shape[-1] != self.resize:
-            x = torch.nn.functional.interpolate(x, size=(self.resize, self.resize), mode="bilinear", align_corners=False)
+        hw = self._hw()
+        if hw is not None and tuple(x.shape[-2:]) != hw:
+            x = torch.nn.functional.interpolate(x, size=hw, mode="bilinear", align_corners=False)
         if self.rgb and x.shape[1] == 1:
             x = x.expand(-1, 3, -1, -1)
         return x
@@ -103,8 +115,9 @@ class ImageTransform:
                 raise ValueError(f"ImageTransform: resize and rgb need image samples (C, H, W), got shape {tuple(shape)}")
             return tuple(shape)
         c, h, w = shape
-        if self.resize is not None:
-            h = w = self.resize
+        hw = self._hw()
+        if hw is not None:
+            h, w = hw
         if self.rgb and c == 1:
             c = 3
         return (c, h, w)

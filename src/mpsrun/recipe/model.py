@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
+from mpsrun.recipe.augment import AugmentStep
 from mpsrun.recipe.problems import did_you_mean
 
 DEVICE_PATTERN = r"^(auto|cpu|mps|cuda(:\d+)?)$"
@@ -137,6 +138,8 @@ class Recipe(BaseModel):
     grad_clip: Union[GradClipSection, None] = None
     accumulate: int = Field(1, ge=1, description="micro-batches per optimizer step; exact: batch_size 16 x 4 trains like 64")
     callbacks: list[PluginSection] = Field(default_factory=list, description="mpsrun.callbacks plugins, each {name: ..., <kwargs>}, called between epochs in this order")
+    augment: list[AugmentStep] = Field(default_factory=list, description="training-image augmentations run per sample on the device, in order: "
+                                       "random_resized_crop, random_horizontal_flip, random_crop, color_jitter, normalize; validation only resizes and normalizes")
 
     # Speed options: each `auto` is resolved per device by the engine and recorded.
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"

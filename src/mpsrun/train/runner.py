@@ -32,7 +32,7 @@ from mpsrun.train.keep import final_eval
 from mpsrun.train.ranks import job_run
 from mpsrun.train import record
 from mpsrun.train.controls import schedulers
-from mpsrun.train.loop import shards
+from mpsrun.train.loop import augment, shards
 from mpsrun.train.controls.callbacks import Callback, Callbacks, RunState  # noqa: F401 - Callbacks: public here
 from mpsrun.train.keep.continuity import Continuity, ResumePoint
 from mpsrun.train.loop.data import BatchPlan, plan_batches
@@ -173,6 +173,7 @@ def prepare(resolved: Resolved) -> Setup:
             raise InputError(str(e)) from None
     seed_everything(recipe.seed)
     splits = build_data(recipe, resolved)
+    aug = augment_data(recipe, splits)
     seed_everything(recipe.seed)  # the model's initial weights depend on the seed alone
     model = build_model(recipe, splits)
     device = choice.device
@@ -183,6 +184,7 @@ def prepare(resolved: Resolved) -> Setup:
         device=device,
         seed=recipe.seed,
         transform=splits.transform,
+        train_transform=aug.train if aug is not None else None,
         resident=recipe.resident,
         max_bytes=int(recipe.resident_max_gb * 2**30),
         free_bytes=devices.free_memory_bytes(device),
@@ -209,7 +211,27 @@ def prepare(resolved: Resolved) -> Setup:
     notes += ctl.notes + splits.info.get("notes", [])
     if options.compile:
         model = _compile(model, options)
-    return Setup(resolved, choice, splits, model, optimizer, plan, options, notes, list(ctl.callbacks), ctl.objective, ctl.extras)
+    return Setup(resolved, choice, splits, model, optimizer, plan, options, notes, list(ctl.callbacks), ctl.objective, ctl.extras,
+                 aug.params if aug is not None else {})
+
+
+def augment_data(recipe: Recipe, splits: DataSplits) -> augment.Augmentation | None:
+    """The recipe's `augment:` for this dataset: the training transform, and the evaluation transform
+    and input shape (the augmented size) put in the splits' place, so the model, validation and the
+    logged model all see what training sees."""
+    if not recipe.augment:
+        return None
+    from mpsrun.train.loop.data import raw_tensors
+
+    raw = raw_tensors(splits.train)
+    shape = tuple(raw[0].shape[1:]) if raw is not None else tuple(torch.as_tensor(splits.train[0][0]).shape)
+    try:
+        aug = augment.build(recipe.augment, splits.transform, shape)
+    except augment.AugmentError as e:
+        raise InputError(str(e)) from None
+    assert aug is not None
+    splits.transform, splits.input_shape = aug.eval, aug.input_shape
+    return aug
 
 
 def _compile(model: nn.Module, options: Options) -> nn.Module:
@@ -235,6 +257,9 @@ def run_tags(setup: Setup) -> dict[str, str]:
             "memory.kind": devices.memory_kind(setup.choice.device),
         }
     )
+    data_tags = setup.splits.info.get("tags") if isinstance(setup.splits.info, dict) else None
+    if isinstance(data_tags, dict):  # the dataset's own (image_folder: mpsrun.data.cache, mpsrun.data.skipped)
+        tags.update({str(k): str(v) for k, v in data_tags.items()})
     for kind in ("dataset", "model"):  # which package's code ran, not just its name
         ref = plugins.find(kind, getattr(r.recipe, kind).name)
         tags[f"plugin.{kind}"] = f"{ref.distribution} {ref.version} ({ref.value})"
@@ -309,7 +334,7 @@ def _open_run(setup: Setup, tracker: Any, parent_run_id: str | None, tags: dict[
     all_tags = {**run_tags(setup), **job_tags, **(tags or {})}
     if resume is None:
         info = tracker.start(r.recipe.tracking.run_name or record.default_run_name(setup), all_tags, parent_run_id)
-        tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": setup.plan.train.samples, "data.val_size": setup.plan.val.samples})
+        tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), **setup.params, "data.train_size": setup.plan.train.samples, "data.val_size": setup.plan.val.samples})
     else:  # the same run goes on; its params stay as first logged (MLflow params are immutable)
         info = tracker.attach(resume.run_id)
         if job_tags:  # the ranks that train now (pids, devices; the world size: see Continuity)

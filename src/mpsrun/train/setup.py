@@ -47,3 +47,4 @@ class Setup:
     callbacks: list[Callback] = field(default_factory=list)  # called between epochs, in this order
     objective: Objective | None = None  # loss, metrics, clipping, accumulation (train/assemble.py)
     extras: dict = field(default_factory=dict)  # RunState.extras: the scheduler, ... (checkpoints carry them)
+    params: dict = field(default_factory=dict)  # params beyond the recipe's (the augmentations as built)

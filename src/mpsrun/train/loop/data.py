@@ -150,6 +150,7 @@ class BatchPlan:
     resident: bool
     reason: str  # why resident or not: recorded on the run
     transform: Transform = None  # applied by the engine to each raw input batch, on the device
+    train_transform: Transform = None  # training batches only (the recipe's `augment:`); None: `transform`
 
 
 def plan_batches(
@@ -161,6 +162,7 @@ def plan_batches(
     seed: int,
     transform: Transform,
     resident: bool | str,
+    train_transform: Transform = None,
     max_bytes: int,
     free_bytes: int | None,
     num_workers: int = 0,
@@ -190,6 +192,7 @@ def plan_batches(
             True,
             reason,
             transform,
+            train_transform,
         )
     common = dict(num_workers=num_workers, persistent_workers=persistent_workers, pin_memory=pin_memory)
     return BatchPlan(
@@ -198,4 +201,5 @@ def plan_batches(
         False,
         reason,
         transform,
+        train_transform,
     )

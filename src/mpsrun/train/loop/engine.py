@@ -47,7 +47,7 @@ def train(
     Callbacks run between epochs (after the listener has the epoch's metrics) and
     may end the run early through `state.request_stop`.
     """
-    trainer: Trainer = (GraphTrainer if options.graphs else Trainer)(model, optimizer, device, options, plan.transform, objective)
+    trainer: Trainer = (GraphTrainer if options.graphs else Trainer)(model, optimizer, device, options, plan.transform, objective, plan.train_transform)
     listener.on_start(epochs, len(plan.train), len(plan.val))
     callbacks = callbacks or Callback()
     state = state or RunState(model, optimizer, device, epochs)
@@ -122,7 +122,7 @@ def _capture_or_eager(trainer: "GraphTrainer", plan: BatchPlan, listener: Listen
         trainer.options.notes.append(note)
         trainer.options.graphs = False
         listener.on_note(note)
-        return Trainer(trainer.model, trainer.optimizer, trainer.device, trainer.options, trainer.transform, trainer.objective)
+        return Trainer(trainer.model, trainer.optimizer, trainer.device, trainer.options, trainer.transform, trainer.objective, trainer.train_transform)
 
 
 def _first_batch(batches: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -191,4 +191,4 @@ def share(plan: BatchPlan, batch_size: int, seed: int) -> tuple[BatchPlan, list[
             "and is dropped (every rank must take every step); the trajectory differs from one process there"
         )
     val = _val_share(plan.val, batch_size, world, rank)
-    return BatchPlan(train, val, plan.resident, plan.reason + f"; rank {rank}'s share of each global batch of {batch_size}", plan.transform), notes
+    return BatchPlan(train, val, plan.resident, plan.reason + f"; rank {rank}'s share of each global batch of {batch_size}", plan.transform, plan.train_transform), notes

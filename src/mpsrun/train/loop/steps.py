@@ -55,6 +55,7 @@ class Trainer:
         options: Options,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         objective: Objective | None = None,
+        train_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -64,6 +65,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type) if options.precision == "fp16" else None
         self.loss_sum = torch.zeros((), device=device)
         self.transform = transform  # the dataset's, applied on the device inside the step
+        self.train_transform = train_transform  # training batches only (augmentation); None: `transform`
         self.objective = objective or Objective.default(device)  # loss, metrics, clipping, accumulation
         self.correct = self.objective.metrics.correct  # classification's correct-count (kept by name)
 
@@ -76,16 +78,17 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp_dtype, cache_enabled=cache)
 
-    def prepare(self, x: torch.Tensor) -> torch.Tensor:
-        if self.transform is not None:
-            x = self.transform(x)
+    def prepare(self, x: torch.Tensor, train: bool = False) -> torch.Tensor:
+        transform = self.train_transform if train and self.train_transform is not None else self.transform
+        if transform is not None:
+            x = transform(x)
         if self.options.channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         return x
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, cache: bool = True, weight: float = 1.0, first: bool = True, last: bool = True) -> None:
         """One micro-batch; the optimizer steps on the `last` of an accumulation group (see objective.py)."""
-        x = self.prepare(x)
+        x = self.prepare(x, train=True)
         with self.autocast(cache):
             loss = self.objective.loss(self.model(x), y)
         if first:
