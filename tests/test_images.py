@@ -1,0 +1,189 @@
+"""`image_folder` and `image_csv`: layouts, the decode-once cache, bad files and bad input.
+
+Real files written with PIL, the real plugins and the real CLI; the cache lives in a
+temporary $MPSRUN_CACHE. Small images (32 px) and few of them, so each decode is quick.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from mpsrun.plugins.builtin.images import cache as cache_mod
+from mpsrun.plugins.builtin.images.datasets import image_csv, image_folder
+from mpsrun.testing.images import write
+
+SIZE = 32
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    d = tmp_path_factory.mktemp("imgcache")
+    old = os.environ.get("MPSRUN_CACHE")
+    os.environ["MPSRUN_CACHE"] = str(d)
+    yield d
+    if old is None:
+        os.environ.pop("MPSRUN_CACHE", None)
+    else:
+        os.environ["MPSRUN_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
+    """3 classes x 10 JPEGs, plus the awkward ones: a corrupt JPEG, an RGBA PNG, a grayscale JPEG, non-images."""
+    root = write(tmp_path_factory.mktemp("imgs") / "shapes", classes=3, per_class=10, size=40)
+    good = (root / "disc" / "0000.jpg").read_bytes()
+    (root / "disc" / "zz_truncated.jpg").write_bytes(good[: len(good) // 3])  # a truncated JPEG
+    rgba = np.zeros((40, 40, 4), np.uint8)
+    rgba[:, :20] = (255, 0, 0, 255)  # left half opaque red, right half fully transparent
+    Image.fromarray(rgba, "RGBA").save(root / "square" / "zz_alpha.png")
+    Image.fromarray(np.full((40, 40), 77, np.uint8), "L").save(root / "cross" / "zz_gray.jpg", quality=100)
+    (root / "disc" / "README.txt").write_text("not an image")
+    (root / "square" / ".DS_Store").write_bytes(b"\0\1")
+    return root
+
+
+
+
+def test_folder_layout_classes_cache_and_awkward_files(folder: Path) -> None:
+    s = image_folder(str(folder), size=SIZE, val_fraction=0.25)
+    assert s.info["classes"] == ["cross", "disc", "square"] and s.num_classes == 3
+    assert s.input_shape == (3, SIZE, SIZE)
+    x_tr, y_tr = s.train.tensors
+    x_va, y_va = s.val.tensors
+    assert x_tr.dtype.is_floating_point is False and x_tr.shape[1:] == (3, SIZE, SIZE)
+    assert len(y_tr) + len(y_va) == 32  # 30 + alpha PNG + gray JPEG; the truncated JPEG skipped, README/.DS_Store ignored
+    assert sorted(set(y_va.tolist())) == [0, 1, 2]  # stratified
+    assert s.info["tags"]["mpsrun.data.cache"] == "built"
+    assert s.info["tags"]["mpsrun.data.skipped"] == "1"
+    assert any("zz_truncated.jpg" in n for n in s.info["notes"])
+    # the same files again: the cache is reused, the same bytes come back
+    again = image_folder(str(folder), size=SIZE, val_fraction=0.25)
+    assert again.info["tags"]["mpsrun.data.cache"] == "reused"
+    assert again.info["cache"] == s.info["cache"]
+    assert (again.train.tensors[0] == x_tr).all()
+    cache = cache_mod.open_or_build(sorted(_files(folder)), SIZE, SIZE, "rgb")
+    files = sorted(_files(folder))
+    alpha = cache.images[files.index(folder / "square" / "zz_alpha.png")]
+    assert alpha[:, :, :12].mean(axis=(1, 2)).round().tolist() == [255, 0, 0]  # opaque red stays red
+    assert (alpha[:, :, -10:] == 255).all()  # transparent is put on white
+    gray = cache.images[files.index(folder / "cross" / "zz_gray.jpg")]
+    assert (gray[0] == gray[1]).all() and (gray[1] == gray[2]).all() and abs(int(gray[0].mean()) - 77) <= 1  # gray into RGB
+
+
+def _files(root: Path) -> list[Path]:
+    from mpsrun.plugins.builtin.images import scan
+
+    return scan.scan_folder(root).all_files()
+
+
+def test_on_bad_image_fail_names_the_file(folder: Path) -> None:
+    with pytest.raises(ValueError, match=r"1 image\(s\) could not be decoded: .*zz_truncated.jpg"):
+        image_folder(str(folder), size=SIZE, on_bad_image="fail")
+
+
+def test_cache_rebuilt_after_a_file_changes_or_a_setting(tmp_path: Path, cache_dir: Path) -> None:
+    root = write(tmp_path / "small", classes=2, per_class=4, size=24)
+    a = image_folder(str(root), size=16, val_fraction=0.5)
+    assert image_folder(str(root), size=16, val_fraction=0.5).info["tags"]["mpsrun.data.cache"] == "reused"
+    p = root / "square" / "0001.jpg"
+    Image.fromarray(np.zeros((24, 24, 3), np.uint8)).save(p)  # new content, size and mtime
+    os.utime(p, ns=(p.stat().st_atime_ns, p.stat().st_mtime_ns + 10**9))
+    b = image_folder(str(root), size=16, val_fraction=0.5)
+    assert b.info["tags"]["mpsrun.data.cache"] == "built" and b.info["cache"] != a.info["cache"]
+    g = image_folder(str(root), size=16, mode="gray", val_fraction=0.5)
+    assert g.info["tags"]["mpsrun.data.cache"] == "built" and g.input_shape == (1, 16, 16)
+
+
+def test_split_layout_and_csv_with_names_and_integers(tmp_path: Path, cache_dir: Path) -> None:
+    root = write(tmp_path / "split", classes=3, per_class=6, size=24, layout="split", val_per_class=2, fmt="png", csv=True)
+    s = image_folder(str(root), size=[16, 20])
+    assert s.input_shape == (3, 16, 20)
+    assert len(s.val) == 6 and len(s.train) == 18  # val/ is the validation split as given
+    assert s.info["classes"] == ["cross", "disc", "square"]
+    c = image_csv(str(root / "labels.csv"), size=16, val_fraction=0.25)  # paths relative to the CSV
+    assert c.info["classes"] == ["cross", "disc", "square"] and len(c.train) + len(c.val) == 24
+    lines = (root / "labels.csv").read_text().splitlines()
+    names = {"disc": 0, "square": 1, "cross": 2}
+    (root / "ints.csv").write_text("file;y\n".replace(";", ",") + "".join(f"{p},{names[lab]}\n" for p, lab in (l.split(",") for l in lines[1:])))
+    i = image_csv(str(root / "ints.csv"), path_column="file", label_column="y", size=16, val_fraction=0.25)
+    assert i.info["classes"] == ["0", "1", "2"] and i.num_classes == 3
+    assert i.info["tags"]["mpsrun.data.cache"] == "reused"  # the same files and settings as the CSV above
+
+
+BAD_RECIPE = """\
+device: cpu
+epochs: 1
+batch_size: 8
+dataset: {{name: {name}, {args}}}
+model: {{name: cnn}}
+optimizer: {{name: sgd, lr: 0.1}}
+"""
+
+
+@pytest.mark.parametrize(
+    "case,make,args,expect",
+    [
+        ("missing root", None, "root: nowhere", "dataset.root 'nowhere' does not exist"),
+        ("empty class", "empty", "root: {root}", "hold no images"),
+        ("single class", "single", "root: {root}", "single class"),
+        ("val label", "valextra", "root: {root}", "that train/ lacks"),
+        ("csv column", "csv", "csv: {root}/labels.csv, label_column: lable", "no column 'lable' (did you mean 'label'?)"),
+        ("missing csv", None, "csv: nowhere.csv", "dataset.csv 'nowhere.csv' does not exist"),
+    ],
+)
+def test_bad_layouts_exit_2_before_decoding(work, cache_dir: Path, case: str, make: str | None, args: str, expect: str) -> None:
+    root = work.path / "data"
+    if make == "empty":
+        write(root, classes=2, per_class=2, size=16)
+        (root / "empty_class").mkdir()
+    elif make == "single":
+        write(root, classes=1, per_class=3, size=16)
+    elif make == "valextra":
+        write(root, classes=2, per_class=2, size=16, layout="split", val_per_class=1)
+        write(root / "val" / "extra", classes=1, per_class=1, size=16)  # val/extra/disc/...: a class train/ lacks
+    elif make == "csv":
+        write(root, classes=2, per_class=2, size=16, csv=True)
+    name = "image_csv" if "csv:" in args else "image_folder"
+    p = work.write("bad.yaml", BAD_RECIPE.format(name=name, args=args.format(root=root)))
+    before = set(cache_dir.rglob("*"))
+    r = work.cli("run", p, "-q")
+    assert r.exit_code == 2, r.output
+    assert expect in " ".join(r.output.split()), r.output
+    assert "Traceback" not in r.output
+    assert set(cache_dir.rglob("*")) == before  # refused before any decoding
+
+
+AUDIT = r"""
+import os, sys
+root = sys.argv[1]
+opened = []
+def hook(event, args):
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)) and str(os.fsdecode(args[0])).startswith(root):
+        opened.append(os.fsdecode(args[0]))
+sys.addaudithook(hook)
+from mpsrun.plugins.builtin.images.datasets import image_folder
+s = image_folder(root, size=24, workers=1, val_fraction=0.25)   # workers=1: decoded in this process, seen by the hook
+built = len(opened); opened.clear()
+t = image_folder(root, size=24, workers=1, val_fraction=0.25)
+assert t.info["tags"]["mpsrun.data.cache"] == "reused"
+x = t.train.tensors[0].float().sum() + t.val.tensors[0].float().sum()  # and read every pixel
+print("opened", built, len(opened), int(x > 0))
+"""
+
+
+def test_a_cached_run_opens_no_image_file(tmp_path: Path) -> None:
+    """An audit hook sees every file Python opens: the first build opens each image, the reuse none."""
+    import subprocess
+
+    root = write(tmp_path / "audit", classes=2, per_class=6, size=24)
+    env = {**os.environ, "MPSRUN_CACHE": str(tmp_path / "cache")}
+    p = subprocess.run([sys.executable, "-c", AUDIT, str(root)], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    _, built, reused, read = p.stdout.split()
+    assert int(built) >= 12 and int(reused) == 0 and read == "1"
