@@ -1,0 +1,238 @@
+"""Your own images, side by side: torchvision ImageFolder + DataLoader against mpsrun's decode-once cache.
+
+One command, on this machine, one after another, on the same synthetic JPEG folder it writes
+itself (N images of --size px in --classes classes, PIL):
+  (a) torchvision `ImageFolder` + `DataLoader` (RandomResizedCrop(--crop) + RandomHorizontalFlip,
+      ToTensor, Normalize; shuffled, pinned on CUDA, persistent workers), one run per
+      --workers value: what every user writes;
+  (b) mpsrun: the `image_folder` plugin's cache build (decode img/s, a fresh cache), then the
+      engine that `mpsrun run` uses (the same `train()`, resident data, CUDA graphs on CUDA)
+      with the recipe augmentation random_resized_crop + random_horizontal_flip on the device;
+  (c) on CUDA: the same model and engine on resident random uint8 tensors at --crop (no decode,
+      no augmentation): the ceiling.
+Same model, optimizer (SGD, momentum 0.9), precision and memory format everywhere. Figures are
+steady training images per second: the median over epochs after the first (warm-up, workers
+starting, graph capture), with the device synchronised around each epoch. Validation is not timed.
+
+    python benchmarks/images_bench.py --device cpu                     # 2-core dev machine
+    python benchmarks/images_bench.py --device cuda --model resnet18 --bf16 --channels-last \
+        --batch 256 --size 256 --crop 224 --n 10000 --workers 8 15     # H100 (about 2-3 minutes)
+
+Appends the result (machine, command, figures) to docs/benchmarks.md with --record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from multiprocessing import get_context
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+
+def _write_one(args: tuple) -> None:
+    path, kind, size, seed = args
+    from PIL import Image
+
+    from mpsrun.testing.images import draw
+
+    Image.fromarray(draw(kind, size, np.random.default_rng(seed))).save(path, quality=90)
+
+
+def write_folder(root: Path, n: int, classes: int, size: int, val: int) -> None:
+    """train/<class>/*.jpg (n images) and val/<class>/*.jpg (val images), written in parallel."""
+    jobs = []
+    for split, count in (("train", n), ("val", val)):
+        for c in range(classes):
+            (root / split / f"c{c:02d}").mkdir(parents=True, exist_ok=True)
+        jobs += [(str(root / split / f"c{i % classes:02d}" / f"{i:06d}.jpg"), i % classes, size, hash((split, i)) % 2**31) for i in range(count)]
+    with get_context("fork" if sys.platform != "darwin" else "spawn").Pool(os.cpu_count()) as pool:
+        pool.map(_write_one, jobs, chunksize=64)
+
+
+def build_model(name: str, classes: int, crop: int) -> nn.Module:
+    if name == "small_cnn":  # two strided 3x3 convolutions, global pooling, a linear head
+        return nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1), nn.ReLU(), nn.Conv2d(16, 32, 3, 2, 1), nn.ReLU(),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, classes))
+    import torchvision
+
+    return torchvision.models.get_model(name, weights=None, num_classes=classes)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def dataloader_run(root: Path, a: argparse.Namespace, device: torch.device, workers: int) -> float:
+    """(a) The hand-written loop: steady training img/s."""
+    import torchvision.transforms as T
+    from torchvision.datasets import ImageFolder
+
+    tf = T.Compose([T.RandomResizedCrop(a.crop), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize([0.5] * 3, [0.25] * 3)])
+    ds = ImageFolder(str(root / "train"), transform=tf)
+    dl = torch.utils.data.DataLoader(ds, batch_size=a.batch, shuffle=True, num_workers=workers, pin_memory=device.type == "cuda",
+                                     persistent_workers=workers > 0, drop_last=False)
+    torch.manual_seed(0)
+    model = build_model(a.model, a.classes, a.crop).to(device)
+    if a.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if a.bf16 else contextlib.nullcontext()
+    rates = []
+    for _ in range(a.epochs):
+        _sync(device)
+        t0 = time.perf_counter()
+        seen = 0
+        for x, y in dl:
+            x = x.to(device, non_blocking=True)
+            y = y.to(device, non_blocking=True)
+            if a.channels_last:
+                x = x.contiguous(memory_format=torch.channels_last)
+            with amp:
+                loss = loss_fn(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            seen += len(y)
+        _sync(device)
+        rates.append(seen / (time.perf_counter() - t0))
+    del dl
+    return statistics.median(rates[1:] or rates)
+
+
+def engine_run(train_ds, val_ds, transform, train_transform, a: argparse.Namespace, device: torch.device, input_shape) -> tuple[float, list[str]]:  # type: ignore[no-untyped-def]
+    """(b) and (c): mpsrun's engine (the loop `mpsrun run` drives), resident data; steady training img/s."""
+    from mpsrun.train.loop.data import plan_batches
+    from mpsrun.train.loop.engine import Listener, Options, train
+
+    torch.manual_seed(0)
+    model = build_model(a.model, a.classes, a.crop).to(device)
+    if a.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    plan = plan_batches(train_ds, val_ds, batch_size=a.batch, device=device, seed=0, transform=transform, train_transform=train_transform,
+                        resident=True, max_bytes=64 * 2**30, free_bytes=None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    options = Options(precision="bf16" if a.bf16 else "fp32", channels_last=a.channels_last, graphs=device.type == "cuda",
+                      cudnn_benchmark=device.type == "cuda")
+    result = train(model, opt, plan, device, a.epochs, options, Listener())
+    rates = [e.train_samples_per_s for e in result.epochs]
+    return statistics.median(rates[1:] or rates), options.notes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", default="small_cnn", help="small_cnn (two strided convolutions) or a torchvision model name")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of the training process (default: 1 on cpu, where "
+                    "the DataLoader's workers need the other cores; torch's own choice elsewhere)")
+    ap.add_argument("--n", type=int, default=1536, help="training images written")
+    ap.add_argument("--classes", type=int, default=10)
+    ap.add_argument("--size", type=int, default=80, help="side of the written JPEGs (and of the cache)")
+    ap.add_argument("--crop", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--workers", type=int, nargs="+", default=[2], help="DataLoader num_workers values to try")
+    ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--channels-last", action="store_true")
+    ap.add_argument("--record", action="store_true", help="append the result to docs/benchmarks.md")
+    a = ap.parse_args()
+    device = torch.device(a.device)
+    threads = a.threads or (1 if device.type == "cpu" else None)
+    if threads:
+        torch.set_num_threads(threads)
+    cmd = "python benchmarks/images_bench.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    lines = []
+
+    def say(s: str) -> None:
+        print(s, flush=True)
+        lines.append(s)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "jpegs"
+        t0 = time.perf_counter()
+        write_folder(root, a.n, a.classes, a.size, max(a.classes * 2, a.n // 50))
+        print(f"wrote {a.n:,} {a.size}px JPEGs in {a.classes} classes in {time.perf_counter() - t0:.1f} s", flush=True)
+
+        # (b) first: the cache build is the decode figure; a fresh cache folder
+        os.environ["MPSRUN_CACHE"] = str(Path(tmp) / "cache")
+        from mpsrun.plugins.builtin.images.datasets import image_folder
+        from mpsrun.recipe.augment import AugmentStep
+        from mpsrun.train.loop import augment
+
+        t0 = time.perf_counter()
+        splits = image_folder(str(root), size=a.size)
+        build_s = time.perf_counter() - t0
+        n_all = len(splits.train) + len(splits.val)
+        decode_rate = n_all / build_s
+        say(f"mpsrun cache build: {n_all:,} images in {build_s:.2f} s = {decode_rate:,.0f} img/s ({splits.info['tags'].get('mpsrun.data.decode', '')})")
+        if device.type == "cuda":  # the CPU decoders alone, for comparison (a second fresh cache)
+            os.environ["MPSRUN_CACHE"] = str(Path(tmp) / "cache_cpu")
+            os.environ["MPSRUN_IMAGE_DECODE"] = "cpu"
+            t0 = time.perf_counter()
+            image_folder(str(root), size=a.size)
+            say(f"mpsrun cache build, PIL workers only: {n_all / (time.perf_counter() - t0):,.0f} img/s")
+            os.environ.pop("MPSRUN_IMAGE_DECODE")
+        steps = [AugmentStep(name="random_resized_crop", size=a.crop), AugmentStep(name="random_horizontal_flip")]
+        aug = augment.build(steps, splits.transform, tuple(splits.train.tensors[0].shape[1:]))
+        mpsrun_rate, notes = engine_run(splits.train, splits.val, aug.eval, aug.train, a, device, aug.input_shape)
+        say(f"mpsrun (cache, device augmentation): {mpsrun_rate:,.0f} img/s" + (f"  notes: {'; '.join(notes)}" if notes else ""))
+        del splits
+
+        # (a) the DataLoader loop, per worker count
+        loader = {}
+        for w in a.workers:
+            loader[w] = dataloader_run(root, a, device, w)
+            say(f"ImageFolder + DataLoader(num_workers={w}): {loader[w]:,.0f} img/s")
+        best_w = max(loader, key=loader.get)  # type: ignore[arg-type]
+
+        # (c) resident random tensors at the crop size: the model's own ceiling
+        ceiling = None
+        if device.type == "cuda":
+            from torch.utils.data import TensorDataset
+
+            from mpsrun.plugins.contract import ImageTransform
+
+            g = torch.Generator().manual_seed(0)
+            x = torch.randint(0, 256, (a.n, 3, a.crop, a.crop), dtype=torch.uint8, generator=g)
+            y = torch.randint(0, a.classes, (a.n,), generator=g)
+            xv, yv = x[: a.batch], y[: a.batch]
+            tf = ImageTransform(mean=(0.5,) * 3, std=(0.25,) * 3)
+            ceiling, _ = engine_run(TensorDataset(x, y), TensorDataset(xv, yv), tf, None, a, device, (3, a.crop, a.crop))
+            say(f"same model on resident random uint8 tensors: {ceiling:,.0f} img/s")
+
+    say(f"mpsrun / best DataLoader (num_workers={best_w}): {mpsrun_rate / loader[best_w]:.2f}x")
+    if ceiling:
+        say(f"mpsrun / resident random tensors: {mpsrun_rate / ceiling:.2f} ({100 * (1 - mpsrun_rate / ceiling):.1f}% below)")
+    machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    head = f"torch {torch.__version__}, {machine}, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}, {dt.datetime.now(dt.timezone.utc):%Y-%m-%d}"
+    print(head)
+    if a.record:
+        doc = ROOT / "docs" / "benchmarks.md"
+        with open(doc, "a") as f:
+            f.write(f"\n### images_bench.py ({a.device}), {head}\n\n`{cmd}`\n\n" + "".join(f"- {s}\n" for s in lines))
+
+
+if __name__ == "__main__":
+    main()
