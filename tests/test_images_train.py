@@ -195,3 +195,14 @@ def test_served_model_answers_an_http_request(trained) -> None:  # type: ignore[
         if proc.poll() is None:
             os.killpg(proc.pid, 15)
         proc.wait(timeout=30)
+
+
+def test_data_too_big_for_the_device_is_sliced_from_host_memory_like_resident(work) -> None:
+    """resident: false (what a cache over the limit gets): batches gathered from the host tensors, same trajectory."""
+    for extra in ("resident=true", "resident=false"):
+        r = work.cli("run", RECIPES / "digits_mlp.yaml", "epochs=2", extra, "tracking.log_model=false", "-q")
+        assert r.exit_code == 0, r.output
+    a, b = work.runs("digits_mlp")
+    assert a.data.tags["data.path"] == "resident" and b.data.tags["data.path"] == "host slices"
+    for (_, va), (_, vb) in zip(work.history(a.info.run_id, "val_loss"), work.history(b.info.run_id, "val_loss")):
+        assert abs(va - vb) < 1e-4

@@ -140,6 +140,64 @@ class LoaderBatches:
             yield xb, yb
 
 
+class HostSliceBatches(LoaderBatches):
+    """Raw tensors that stay in host memory (a memory-mapped image cache too large for the device).
+
+    Each batch is one `index_select` over the host tensor (rows sorted, so a memory map is read
+    front to back; validation batches are plain contiguous slices), pinned on CUDA and copied
+    to the device while the previous batch trains: no per-sample Python, unlike a DataLoader
+    over a TensorDataset. A thread gathers the next batch (index_select releases the GIL).
+    Order: a seeded permutation per epoch, as on the resident path. Under DDP the shards wing
+    uses the DataLoader this class still carries (`loader`), so every rank's share stays exact.
+    """
+
+    path_name = "host slices"
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, device: torch.device, shuffle: bool, seed: int) -> None:
+        from torch.utils.data import TensorDataset
+
+        super().__init__(TensorDataset(x, y), batch_size, device, shuffle, seed, num_workers=0)
+        self.x, self.y = x, y
+        self.n = len(y)
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.pin = device.type == "cuda"
+        self._gen = torch.Generator().manual_seed(seed)
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self._gen.manual_seed(epoch_seed(self.seed, epoch))
+
+    def __len__(self) -> int:
+        return math.ceil(self.n / self.batch_size)
+
+    def _gather(self, idx: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(idx, slice):
+            xb, yb = self.x[idx], self.y[idx]
+        else:
+            xb, yb = self.x.index_select(0, idx), self.y.index_select(0, idx)
+        if self.pin:
+            xb, yb = xb.pin_memory(), yb.pin_memory()
+        return xb, yb
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        bs = self.batch_size
+        if self.shuffle:
+            perm = torch.randperm(self.n, generator=self._gen)
+            parts: list = [perm[i : i + bs].sort().values for i in range(0, self.n, bs)]
+        else:
+            parts = [slice(i, i + bs) for i in range(0, self.n, bs)]
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            nxt = pool.submit(self._gather, parts[0]) if parts else None
+            for k in range(len(parts)):
+                assert nxt is not None
+                xb, yb = nxt.result()
+                nxt = pool.submit(self._gather, parts[k + 1]) if k + 1 < len(parts) else None
+                yield xb.to(self.device, non_blocking=self.pin), yb.to(self.device, non_blocking=self.pin)
+
+
 Batches = ResidentBatches | LoaderBatches
 
 
@@ -191,6 +249,16 @@ def plan_batches(
             ResidentBatches(*va, batch_size, device, False, seed),
             True,
             reason,
+            transform,
+            train_transform,
+        )
+    tr, va = raw_tensors(train), raw_tensors(val)
+    if tr is not None and va is not None and num_workers == 0:  # raw tensors in host memory: sliced, not per sample
+        return BatchPlan(
+            HostSliceBatches(*tr, batch_size, device, True, seed),
+            HostSliceBatches(*va, batch_size, device, False, seed),
+            False,
+            reason + "; batches gathered from host memory",
             transform,
             train_transform,
         )
