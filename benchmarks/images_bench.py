@@ -61,7 +61,7 @@ def write_folder(root: Path, n: int, classes: int, size: int, val: int) -> None:
     for split, count in (("train", n), ("val", val)):
         for c in range(classes):
             (root / split / f"c{c:02d}").mkdir(parents=True, exist_ok=True)
-        jobs += [(str(root / split / f"c{i % classes:02d}" / f"{i:06d}.jpg"), i % classes, size, hash((split, i)) % 2**31) for i in range(count)]
+        jobs += [(str(root / split / f"c{i % classes:02d}" / f"{i:06d}.jpg"), i % classes, size, i + (0 if split == "train" else 10**7)) for i in range(count)]
     with get_context("fork" if sys.platform != "darwin" else "spawn").Pool(os.cpu_count()) as pool:
         pool.map(_write_one, jobs, chunksize=64)
 
@@ -226,12 +226,12 @@ def main() -> None:
     if ceiling:
         say(f"mpsrun / resident random tensors: {mpsrun_rate / ceiling:.2f} ({100 * (1 - mpsrun_rate / ceiling):.1f}% below)")
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    head = f"torch {torch.__version__}, {machine}, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}, {dt.datetime.now(dt.timezone.utc):%Y-%m-%d}"
+    head = f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC — {machine}, torch {torch.__version__}, torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}"
     print(head)
     if a.record:
         doc = ROOT / "docs" / "benchmarks.md"
         with open(doc, "a") as f:
-            f.write(f"\n### images_bench.py ({a.device}), {head}\n\n`{cmd}`\n\n" + "".join(f"- {s}\n" for s in lines))
+            f.write(f"\n### {head}\n\n`{cmd}`\n\n" + "".join(f"- {s}\n" for s in lines))
 
 
 if __name__ == "__main__":

@@ -37,8 +37,12 @@ def decode_gpu(
     progress: Optional[Progress] = None,
     done_before: int = 0,
     total: int = 0,
+    device: str = "cuda",
 ) -> list[tuple[int, str]]:
-    """Decode JPEGs into rows `indices` of `arr` (N, C, H, W); returns the (index, path) pairs left for PIL."""
+    """Decode JPEGs into rows `indices` of `arr` (N, C, H, W); returns the (index, path) pairs left for PIL.
+
+    `device`: "cuda" in use; "cpu" runs the same code with torchvision's CPU decoder (the tests do).
+    """
     import torch
     import torch.nn.functional as F
     from torchvision.io import ImageReadMode, decode_jpeg
@@ -62,16 +66,16 @@ def decode_gpu(
             ok = [(i, p, d) for i, p, d in zip(idx, ps, datas) if d is not None and d.numel() > 0]
             left += [(i, p) for i, p, d in zip(idx, ps, datas) if d is None or d.numel() == 0]
             try:
-                images = decode_jpeg([d for _, _, d in ok], mode=mode, device="cuda")
+                images = decode_jpeg([d for _, _, d in ok], mode=mode, device=device)
                 pairs = list(zip(ok, images))
             except Exception:  # one bad file fails the batch: decode one by one, the refused go to PIL
                 pairs = []
                 for item in ok:
                     try:
-                        pairs.append((item, decode_jpeg(item[2], mode=mode, device="cuda")))
+                        pairs.append((item, decode_jpeg(item[2], mode=mode, device=device)))
                     except Exception:
                         left.append((item[0], item[1]))
-            out = torch.empty((len(pairs), c, h, w), dtype=torch.uint8, device="cuda")
+            out = torch.empty((len(pairs), c, h, w), dtype=torch.uint8, device=device)
             for j, (_, img) in enumerate(pairs):
                 out[j] = _fit(img, h, w, F)
             rows = np.asarray([item[0] for item, _ in pairs], dtype=np.int64)
