@@ -119,7 +119,14 @@ def trained(tmp_path_factory: pytest.TempPathFactory, template_db: Path):  # typ
     w = Workdir(d)
     args = ["run", RECIPES / "images_folder.yaml", f"dataset.root={root}", "dataset.size=32", "epochs=2", "batch_size=16",
             "augment=[{name: random_resized_crop, size: 28, scale: [0.5, 1.0]}, {name: random_horizontal_flip}]", "-q"]
-    runs = [w.cli(*args), w.cli(*args, "tracking.log_model=false")]
+    from mpsrun.train import record
+
+    limit = record.INPUT_SAMPLE_BYTES
+    record.INPUT_SAMPLE_BYTES = 10 * 3 * 32 * 32  # so the first run's dataset inputs take the large-data branch
+    try:
+        runs = [w.cli(*args), w.cli(*args, "tracking.log_model=false")]
+    finally:
+        record.INPUT_SAMPLE_BYTES = limit
     try:
         yield w, runs, root
     finally:
@@ -129,7 +136,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory, template_db: Path):  # typ
 
 
 def test_runs_build_then_reuse_the_cache_and_train_alike(trained) -> None:  # type: ignore[no-untyped-def]
-    w, results, _ = trained
+    w, results, root = trained
     for r in results:
         assert r.exit_code == 0, r.output
     a, b = w.runs("images_folder")
@@ -137,6 +144,9 @@ def test_runs_build_then_reuse_the_cache_and_train_alike(trained) -> None:  # ty
     assert a.data.tags["mpsrun.data.skipped"] == "0"
     assert a.data.params["augment.0"].startswith("random_resized_crop(size=28, scale=(0.5, 1.0)")
     assert a.data.tags["data.path"] == "resident"
+    assert "the training split's MLflow dataset input describes its first 10 of" in a.data.tags["mpsrun.notes"]
+    inputs = w.client().get_run(a.info.run_id).inputs.dataset_inputs
+    assert {i.dataset.source_type for i in inputs} == {"local"} and str(root) in inputs[0].dataset.source
     assert w.history(a.info.run_id, "train_loss") == w.history(b.info.run_id, "train_loss")  # seeded augmentation
 
 

@@ -32,7 +32,8 @@ class DataSplits:
         Two keys the runner reads itself: `notes` (a list of strings, said on screen
         and tagged `mpsrun.notes`: fallbacks, skipped files) and `tags` (a dict of
         string tags set on the run, e.g. `mpsrun.data.cache: built`); `classes`
-        names the classes (figures, the logged model's metadata).
+        names the classes (figures, the logged model's metadata); `source` (a
+        path) is the folder or file read, recorded as the MLflow dataset's source.
     task: "classification" (int64 labels, num_classes of them) or "regression"
         (float targets (N,) or (N, k); num_classes is 0). The runner fills a
         model's `num_outputs` with num_classes or k, and picks the default loss

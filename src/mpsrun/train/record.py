@@ -65,7 +65,16 @@ def _title(setup: "Setup", tracker: "Tracker") -> str:
     return f"{r.model.name} on {r.dataset.name}, {setup.choice.device} (run {(tracker.run_id or '')[:8]})"
 
 
+INPUT_SAMPLE_BYTES = 64 * 2**20  # above this, a split's MLflow dataset input describes its first rows only
+
+
 def _splits(setup: "Setup") -> tuple[list[track_datasets.Split], list[str]]:
+    """Each split's raw tensors for its MLflow dataset input.
+
+    A large split (an image cache of gigabytes) is cut to its first rows: the whole of it would
+    be pickled to the helper process and flattened by MLflow's digest (which reads only its first
+    10,000 values anyway); the run says so in its notes.
+    """
     out, skipped = [], []
     s = setup.splits
     for context, ds in (("training", s.train), ("validation", s.val), ("test", getattr(s, "test", None))):
@@ -74,13 +83,22 @@ def _splits(setup: "Setup") -> tuple[list[track_datasets.Split], list[str]]:
         t = raw_tensors(ds)
         if t is None:
             skipped.append(context)
-        else:
-            out.append(track_datasets.Split(context, _host(t[0]), _host(t[1])))
+            continue
+        x, y = t
+        row = max(1, x[:1].numel() * x.element_size())
+        if len(x) * row > INPUT_SAMPLE_BYTES:
+            keep = max(1, INPUT_SAMPLE_BYTES // row)
+            skipped.append(f"{context}:sample:{keep}:{len(x)}")
+            x, y = x[:keep], y[:keep]
+        out.append(track_datasets.Split(context, _host(x), _host(y)))
     return out, skipped
 
 
 def _source_path(setup: "Setup") -> str | None:
     """The folder or file the dataset plugin read, when its arguments name one."""
+    info = setup.splits.info if isinstance(setup.splits.info, dict) else {}
+    if isinstance(info.get("source"), str) and info["source"]:  # the plugin says what it read (image_folder, image_csv)
+        return info["source"]
     kwargs = setup.resolved.recipe.dataset.kwargs
     for key in ("path", "root", "file", "csv"):
         v = kwargs.get(key)
@@ -129,7 +147,11 @@ def begin(tracker: "Tracker", setup: "Setup", system_metrics: bool = True) -> Re
                system_metrics, setup.choice.device.type)
     rec.notes += out["notes"]
     for context in skipped:
-        rec.notes.append(f"datasets: the {context} split is not a TensorDataset; not logged as an MLflow dataset input")
+        if ":sample:" in context:
+            name, _, keep, total = context.split(":")
+            rec.notes.append(f"datasets: the {name} split's MLflow dataset input describes its first {int(keep):,} of {int(total):,} rows (digest, schema, profile)")
+        else:
+            rec.notes.append(f"datasets: the {context} split is not a TensorDataset; not logged as an MLflow dataset input")
     rec.timings.update(out["timings"])
     rec.system = system_metrics
     return rec
