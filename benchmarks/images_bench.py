@@ -36,6 +36,7 @@ import tempfile
 import time
 from multiprocessing import get_context
 from pathlib import Path
+from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -178,7 +179,6 @@ def main() -> None:
         # (b) first: the cache build is the decode figure; a fresh cache folder
         os.environ["MPSRUN_CACHE"] = str(Path(tmp) / "cache")
         from mpsrun.plugins.builtin.images.datasets import image_folder
-        from mpsrun.recipe.augment import AugmentStep
         from mpsrun.train.loop import augment
 
         t0 = time.perf_counter()
@@ -194,7 +194,9 @@ def main() -> None:
             image_folder(str(root), size=a.size)
             say(f"mpsrun cache build, PIL workers only: {n_all / (time.perf_counter() - t0):,.0f} img/s")
             os.environ.pop("MPSRUN_IMAGE_DECODE")
-        steps = [AugmentStep(name="random_resized_crop", size=a.crop), AugmentStep(name="random_horizontal_flip")]
+        # the recipe entries' checked values, as plain objects (so the benchmark needs no pydantic)
+        steps = [SimpleNamespace(name="random_resized_crop", args=SimpleNamespace(size=a.crop, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3))),
+                 SimpleNamespace(name="random_horizontal_flip", args=SimpleNamespace(p=0.5))]
         aug = augment.build(steps, splits.transform, tuple(splits.train.tensors[0].shape[1:]))
         mpsrun_rate, notes = engine_run(splits.train, splits.val, aug.eval, aug.train, a, device, aug.input_shape)
         say(f"mpsrun (cache, device augmentation): {mpsrun_rate:,.0f} img/s" + (f"  notes: {'; '.join(notes)}" if notes else ""))

@@ -212,5 +212,6 @@ def build(steps: Sequence[Any], transform: Any, sample_shape: tuple[int, ...]) -
 
 
 def _describe(name: str, a: Any) -> str:
-    args = ", ".join(f"{k}={v}" for k, v in a.model_dump().items())
+    fields = a.model_dump() if hasattr(a, "model_dump") else dict(vars(a))  # a recipe entry, or plain values (benchmarks)
+    args = ", ".join(f"{k}={v}" for k, v in fields.items())
     return f"{name}({args})"

@@ -93,7 +93,8 @@ def _fit(img, h: int, w: int, F):  # type: ignore[no-untyped-def]
     s = max(w / w0, h / h0)
     ch, cw = min(h0, round(h / s)), min(w0, round(w / s))
     top, left = (h0 - ch) // 2, (w0 - cw) // 2
-    crop = img[:, top : top + ch, left : left + cw].unsqueeze(0).float()
-    if (ch, cw) != (h, w):
-        crop = F.interpolate(crop, size=(h, w), mode="bilinear", antialias=True, align_corners=False)
+    crop = img[:, top : top + ch, left : left + cw]
+    if (ch, cw) == (h, w):  # already the cache's size (a folder written at that size): no resampling
+        return crop
+    crop = F.interpolate(crop.unsqueeze(0).float(), size=(h, w), mode="bilinear", antialias=True, align_corners=False)
     return crop.round_().clamp_(0, 255).to(img.dtype)[0]
