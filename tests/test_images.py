@@ -101,10 +101,14 @@ def test_cache_rebuilt_after_a_file_changes_or_a_setting(tmp_path: Path, cache_d
 
 
 def test_split_layout_and_csv_with_names_and_integers(tmp_path: Path, cache_dir: Path) -> None:
+    import shutil
+
     root = write(tmp_path / "split", classes=3, per_class=6, size=24, layout="split", val_per_class=2, fmt="png", csv=True)
+    shutil.copytree(root / "val" / "disc", root / "test" / "disc")  # a test/ folder may hold some of the classes
     s = image_folder(str(root), size=[16, 20])
     assert s.input_shape == (3, 16, 20)
     assert len(s.val) == 6 and len(s.train) == 18  # val/ is the validation split as given
+    assert s.test is not None and s.test.tensors[1].tolist() == [1, 1]  # test/disc: class index 1
     assert s.info["classes"] == ["cross", "disc", "square"]
     c = image_csv(str(root / "labels.csv"), size=16, val_fraction=0.25)  # paths relative to the CSV
     assert c.info["classes"] == ["cross", "disc", "square"] and len(c.train) + len(c.val) == 24
