@@ -208,3 +208,15 @@ def test_the_nvjpeg_path_matches_pil_run_with_the_cpu_decoder(tmp_path: Path) ->
     for i, f in enumerate(files[:-1]):
         ref = decode.load(f, 32, 40, gray=False).astype(int)
         assert np.abs(arr[i].astype(int) - ref).mean() < 6, f
+
+
+def test_runs_starting_together_decode_once(tmp_path: Path, cache_dir: Path) -> None:
+    """Two builders at once (DDP ranks, parallel bench cells): the lock lets one decode; the other reuses."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = write(tmp_path / "together", classes=2, per_class=5, size=24)
+    files = _files(root)
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(lambda _: cache_mod.open_or_build(files, 16, 16, "rgb", workers=1), range(2)))
+    assert sorted(c.status for c in got) == ["built", "reused"]
+    assert (got[0].images == got[1].images).all()

@@ -216,3 +216,11 @@ def test_data_too_big_for_the_device_is_sliced_from_host_memory_like_resident(wo
     assert a.data.tags["data.path"] == "resident" and b.data.tags["data.path"] == "host slices"
     for (_, va), (_, vb) in zip(work.history(a.info.run_id, "val_loss"), work.history(b.info.run_id, "val_loss")):
         assert abs(va - vb) < 1e-4
+
+
+def test_unknown_augmentation_or_argument_is_exit_2_with_did_you_mean(work) -> None:
+    r = work.cli("validate", RECIPES / "images_folder.yaml", "augment=[{name: random_flip}, {name: random_crop, pading: 4}]")
+    assert r.exit_code == 2
+    out = " ".join(r.output.split())
+    assert "augment.0.name: unknown augmentation 'random_flip' (did you mean" in out and "'random_horizontal_flip'" in out
+    assert "augment.1: random_crop: unknown argument 'pading' (did you mean 'padding'?)" in out

@@ -58,15 +58,34 @@ class Cache:
 
 
 def open_or_build(files: Sequence[Path], h: int, w: int, mode: str, workers: Optional[int] = None, quiet: bool = False) -> Cache:
+    """The cache for these files and settings: reopened when it exists, else decoded now.
+
+    Runs that start together on the same data (the ranks of a DDP job, `mpsrun bench --parallel`
+    cells) take a file lock beside the cache, so one decodes and the others wait and reuse it.
+    """
+    from filelock import FileLock
+
     c = 1 if mode == "gray" else 3
     folder = root() / key(files, h, w, mode)
+    found = _open(folder)
+    if found is not None:
+        return found
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder.parent / f".{folder.name}.lock")):
+        found = _open(folder)  # built by another process while this one waited
+        if found is not None:
+            return found
+        return _build(folder, [str(p) for p in files], (len(files), c, h, w), workers or decode.workers_default(), quiet)
+
+
+def _open(folder: Path) -> Optional[Cache]:
     meta_path = folder / "meta.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        shape = tuple(meta["shape"])
-        arr = np.memmap(folder / "images.u8", dtype=np.uint8, mode="c", shape=shape)
-        return Cache(folder, arr, {int(k): v for k, v in meta["bad"].items()}, meta["mean"], meta["std"], "reused")
-    return _build(folder, [str(p) for p in files], (len(files), c, h, w), workers or decode.workers_default(), quiet)
+    if not meta_path.is_file():
+        return None
+    meta = json.loads(meta_path.read_text())
+    shape = tuple(meta["shape"])
+    arr = np.memmap(folder / "images.u8", dtype=np.uint8, mode="c", shape=shape)
+    return Cache(folder, arr, {int(k): v for k, v in meta["bad"].items()}, meta["mean"], meta["std"], "reused")
 
 
 def _build(folder: Path, paths: list[str], shape: tuple[int, int, int, int], workers: int, quiet: bool) -> Cache:
