@@ -161,6 +161,7 @@ def test_bad_layouts_exit_2_before_decoding(work, cache_dir: Path, case: str, ma
     assert expect in " ".join(r.output.split()), r.output
     assert "Traceback" not in r.output
     assert set(cache_dir.rglob("*")) == before  # refused before any decoding
+    assert work.runs("bad") == []  # and before any MLflow run
 
 
 AUDIT = r"""
