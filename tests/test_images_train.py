@@ -6,6 +6,7 @@ served by `mlflow models serve` answering a real HTTP request.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -97,6 +98,28 @@ def test_augmentation_replays_in_a_cuda_graph_with_new_draws_cuda() -> None:
     one = out.clone()
     g.replay()
     assert not torch.equal(one, out)  # each replay draws new parameters
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_engine_captures_augmented_steps_as_cuda_graphs_cuda() -> None:
+    """The engine's default on CUDA: whole augmented training steps captured and replayed, no eager fallback."""
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from mpsrun.train.loop.data import plan_batches
+    from mpsrun.train.loop.engine import Listener, Options, train
+
+    a = _aug(CROP_FLIP)
+    x, y = _images(256), torch.arange(256) % 4
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4)).to(dev)
+    plan = plan_batches(TensorDataset(x, y), TensorDataset(x[:64], y[:64]), batch_size=32, device=dev, seed=0, transform=a.eval,
+                        train_transform=a.train, resident=True, max_bytes=2**30, free_bytes=None)
+    options = Options(graphs=True)
+    result = train(model, torch.optim.SGD(model.parameters(), lr=0.05), plan, dev, 2, options, Listener())
+    assert options.graphs and not options.notes, options.notes
+    assert all(math.isfinite(e.train_loss) for e in result.epochs)
 
 
 # ----------------------------------------------------------------------------- end to end
