@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import math
 import os
 import platform
 import shlex

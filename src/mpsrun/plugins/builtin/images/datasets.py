@@ -10,7 +10,6 @@ normalises with the dataset's own per-channel mean and std, on the device.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal, Optional, Union
 
 import numpy as np
