@@ -113,7 +113,7 @@ def _build(folder: Path, paths: list[str], shape: tuple[int, int, int, int], wor
                 how.append(f"nvJPEG on the GPU: {len(done):,}")
         bad = decode.decode_cpu([paths[i] for i in todo], todo, str(out), shape, workers, _offset(meter, len(paths) - len(todo), len(paths)))
         if todo:
-            how.append(f"PIL in {min(workers, max(1, len(todo) // decode.CHUNK))} process(es): {len(todo):,}")
+            how.append(f"PIL in {workers if workers > 1 and len(todo) > 8 else 1} process(es): {len(todo):,}")
         seconds = time.perf_counter() - t0
         arr = np.memmap(out, dtype=np.uint8, mode="r", shape=shape)
         mean, std = _stats(arr, bad)

@@ -95,13 +95,16 @@ def decode_cpu(
 ) -> dict[int, str]:
     """Decode `paths` into rows `indices` of the map with `workers` processes; {index: error} for failures."""
     total = len(paths)
-    tasks = [(out, shape, list(indices[i : i + CHUNK]), list(paths[i : i + CHUNK])) for i in range(0, total, CHUNK)]
+    chunk = max(8, min(CHUNK, total // max(1, 4 * workers)))  # a few tasks per worker, so they finish together
+    tasks = [(out, shape, list(indices[i : i + chunk]), list(paths[i : i + chunk])) for i in range(0, total, chunk)]
     bad: dict[int, str] = {}
     done = 0
-    if workers <= 1 or total <= 2 * CHUNK:
+    if workers <= 1 or len(tasks) <= 1:
         results = map(_work, tasks)
         pool = None
     else:
+        from PIL import Image  # noqa: F401 - imported before forking, so no child waits on an import another thread held
+
         # fork on Linux (no re-import; the children only run PIL and numpy); spawn on macOS, where fork is unsafe.
         ctx = mp.get_context("spawn" if sys.platform == "darwin" else "fork")
         pool = ctx.Pool(min(workers, len(tasks)))
