@@ -194,7 +194,7 @@ def test_a_cached_run_opens_no_image_file(tmp_path: Path) -> None:
     assert int(built) >= 12 and int(reused) == 0 and read == "1"
 
 
-def test_the_nvjpeg_path_matches_pil_run_with_the_cpu_decoder(tmp_path: Path) -> None:
+def test_the_nvjpeg_path_matches_pil_run_with_the_cpu_decoder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`gpu_decode` is the CUDA machine's decoder; its code (batching, crop, antialiased resize, refusals) runs here
     with torchvision's CPU decoder and must give PIL's pixels within resampling differences."""
     from mpsrun.plugins.builtin.images import decode, gpu_decode
@@ -204,6 +204,7 @@ def test_the_nvjpeg_path_matches_pil_run_with_the_cpu_decoder(tmp_path: Path) ->
     (root / "bad.jpg").write_bytes(b"\xff\xd8\xff garbage")
     files.append(str(root / "bad.jpg"))
     arr = np.zeros((len(files), 3, 32, 40), np.uint8)
+    monkeypatch.setattr(gpu_decode, "BATCH", 2)  # several batches, read ahead while one decodes
     left = gpu_decode.decode_gpu(files, list(range(len(files))), arr, device="cpu")
     assert left == [(len(files) - 1, str(root / "bad.jpg"))]  # refused: goes to PIL, which judges it
     for i, f in enumerate(files[:-1]):

@@ -11,6 +11,7 @@ judged the same way on every machine.
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, Sequence
 
@@ -19,6 +20,7 @@ import numpy as np
 from mpsrun.plugins.builtin.images.decode import Progress
 
 BATCH = 256
+AHEAD = 3  # batches whose files are being read while one decodes
 
 
 def available() -> bool:
@@ -59,10 +61,18 @@ def decode_gpu(
         except OSError:
             return None
 
+    batches = [(list(indices[i : i + BATCH]), list(paths[i : i + BATCH])) for i in range(0, len(paths), BATCH)]
     with ThreadPoolExecutor(max_workers=8) as pool:
-        batches = [(list(indices[i : i + BATCH]), list(paths[i : i + BATCH])) for i in range(0, len(paths), BATCH)]
-        pending = pool.map(lambda b: [read(p) for p in b[1]], batches)
-        for (idx, ps), datas in zip(batches, pending):
+
+        def submit(k: int) -> list:
+            return [pool.submit(read, p) for p in batches[k][1]]
+
+        ahead = deque(submit(k) for k in range(min(AHEAD, len(batches))))  # bounded: files are read a few batches ahead
+        for k, (idx, ps) in enumerate(batches):
+            futures = ahead.popleft()
+            if k + AHEAD < len(batches):
+                ahead.append(submit(k + AHEAD))
+            datas = [f.result() for f in futures]
             ok = [(i, p, d) for i, p, d in zip(idx, ps, datas) if d is not None and d.numel() > 0]
             left += [(i, p) for i, p, d in zip(idx, ps, datas) if d is None or d.numel() == 0]
             try:
