@@ -10,6 +10,7 @@ normalises with the dataset's own per-channel mean and std, on the device.
 
 from __future__ import annotations
 
+import sys
 from typing import Literal, Optional, Union
 
 import numpy as np
@@ -129,6 +130,8 @@ def _splits(
     files = listing.all_files()
     labels = np.asarray([lab for s in scan.SPLITS for lab in listing.labels.get(s, [])], dtype=np.int64)
     cache = cache_mod.open_or_build(files, h, w, mode, workers)
+    if cache.status == "reused":  # the build says so with its progress line; a reuse in one line
+        print(f"images: {len(files):,} decoded earlier, read from {cache.folder} (no image file opened)", file=sys.stderr, flush=True)
     notes: list[str] = []
     tags = {"mpsrun.data.cache": cache.status, "mpsrun.data.cache_dir": str(cache.folder)}
     if cache.status == "built":  # the progress line said it on screen; the run keeps the figure
