@@ -222,3 +222,20 @@ def test_runs_starting_together_decode_once(tmp_path: Path, cache_dir: Path) -> 
         got = list(pool.map(lambda _: cache_mod.open_or_build(files, 16, 16, "rgb", workers=1), range(2)))
     assert sorted(c.status for c in got) == ["built", "reused"]
     assert (got[0].images == got[1].images).all()
+
+
+def test_the_readme_command_writes_a_folder_the_recipe_reads(tmp_path: Path) -> None:
+    """`python -m mpsrun.testing.images data/shapes` (README "Your own images"): class folders of JPEGs, seeded."""
+    import subprocess
+
+    for d in ("a", "b"):
+        p = subprocess.run([sys.executable, "-m", "mpsrun.testing.images", str(tmp_path / d), "--per-class", "4", "--csv"],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert sorted(x.name for x in a.iterdir()) == ["cross", "disc", "labels.csv", "square"]
+    assert len(list(a.rglob("*.jpg"))) == 12
+    assert all((a / f.relative_to(b)).read_bytes() == f.read_bytes() for f in b.rglob("*.jpg"))  # same bytes
+    from mpsrun.recipe import yaml_load
+
+    assert yaml_load((Path(__file__).parents[1] / "recipes" / "images_folder.yaml").read_text())["dataset"]["root"] == "data/shapes"
