@@ -64,6 +64,14 @@ class DeviceAugment:
             self._coef[key] = (torch.tensor(self.mean, device=dev).view(1, -1, 1, 1), torch.tensor(self.std, device=dev).view(1, -1, 1, 1))
         return self._coef[key]
 
+    def _affine_coef(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scaling and normalising as one `a * x + b`, when no colour step needs values in [0, 1] between them."""
+        key = f"affine:{dev}"
+        if key not in self._coef:
+            mean, std = self._mean_std(dev)
+            self._coef[key] = (self.scale / std, -mean / std)
+        return self._coef[key]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, c = x.shape[0], x.shape[1]
         dev = x.device
@@ -74,12 +82,16 @@ class DeviceAugment:
                 theta = _affine(*([torch.ones(n, device=dev)] * 2 + [torch.zeros(n, device=dev)] * 2))[:, :2, :]
             grid = F.affine_grid(theta, [n, c, *self.out_hw], align_corners=False)
             x = F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros" if zeros else "border", align_corners=False)
-        x = x * self.scale
-        for name, a in self.steps:
-            if name == "color_jitter":
-                x = _jitter(x, a)
-        mean, std = self._mean_std(dev)
-        x = (x - mean) / std
+        if any(name == "color_jitter" for name, _ in self.steps):
+            x = x * self.scale
+            for name, a in self.steps:
+                if name == "color_jitter":
+                    x = _jitter(x, a)
+            mean, std = self._mean_std(dev)
+            x = (x - mean) / std
+        else:
+            a_, b_ = self._affine_coef(dev)
+            x = torch.addcmul(b_, x, a_)
         if self.rgb and c == 1:
             x = x.expand(-1, 3, -1, -1)
         return x
