@@ -200,7 +200,7 @@ def prepare(resolved: Resolved) -> Setup:
     model = model.to(device)
     if options.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    model = distributed.wrap(model, device)  # DDP when one of several ranks
+    model = distributed.wrap(model, device, options.graphs)  # DDP (or graph_sync under graphs) when one of several ranks
     optimizer = build_optimizer(recipe, model, options.graphs)
     try:
         ctl = controls.build(recipe, splits, model, optimizer, plan, options, device)
