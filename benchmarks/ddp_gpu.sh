@@ -101,7 +101,7 @@ for b in sys.argv[2].split():
     t = targets.get(b, 1.8)
     verdict = (f"met (>= {t}x)" if s >= t else f"below {t}x") if s else "n/a"
     why = lambda w: w if isinstance(w, str) else "n/a"
-    lines.append(f"| {b} | {f(one, why(w1))} | {f(two, why(w2))} | {f'{s:.2f}x' if s else 'n/a'} | {verdict} | {f(ddp, why(wd))} | {f'{sd:.2f}x' if sd else 'n/a'} |")
+    lines.append(f"| {b} | {f(one, why(w1))} | {f(two, why(w2))} | {f'{s:.3f}x' if s else 'n/a'} | {verdict} | {f(ddp, why(wd))} | {f'{sd:.3f}x' if sd else 'n/a'} |")
     for name, r in ((f"2gpu-b{b}", w2), (f"2gpu-ddp-b{b}", wd)):
         if hasattr(r, "data"):
             tg = r.data.tags
