@@ -129,7 +129,7 @@ def test_checkpoint_contents_best_apart_from_last_and_model_from_best(work: Any)
     assert r.exit_code == 0, r.output
     (run,) = work.runs("quick")
     art = Path(run.info.artifact_uri.removeprefix("file://")) / "checkpoints"
-    assert sorted(p.name for p in art.iterdir()) == ["best.pt", "last.pt"]  # no temporary files left behind
+    assert sorted(p.name for p in art.iterdir()) == ["best.pt", "last.pt", "prev.pt"]  # no temporary files left behind
     last = torch.load(art / "last.pt", weights_only=False)
     best = torch.load(art / "best.pt", weights_only=False)
     assert last["epoch"] == 2 and len(last["history"]) == 3
@@ -153,7 +153,7 @@ def test_checkpoint_contents_best_apart_from_last_and_model_from_best(work: Any)
     run2 = work.runs("quick")[-1]
     assert run2.data.tags["mpsrun.model_from"] == "last: epoch 2"
     art2 = Path(run2.info.artifact_uri.removeprefix("file://")) / "checkpoints"
-    assert sorted(p.name for p in art2.iterdir()) == ["best.pt", "epoch-0001.pt", "epoch-0002.pt", "last.pt"]
+    assert sorted(p.name for p in art2.iterdir()) == ["best.pt", "epoch-0001.pt", "epoch-0002.pt", "last.pt", "prev.pt"]
 
 
 def test_checkpoint_every_zero_is_off_and_resume_refuses(work: Any) -> None:
