@@ -146,6 +146,7 @@ class Checkpointer(Callback):
     best_file: Path | None = None  # the best checkpoint of a resumed run, when it was not this session's
     siblings: Callable[[], Callback] | None = None  # the Callbacks holding every callback's state
     hyper: dict[str, Any] = field(default_factory=dict)  # optimizer settings overridden on resume: win over the saved ones
+    logged: frozenset[int] = frozenset()  # epochs trained again on resume whose metrics are in the run already: not logged twice
     ranks_rng: bool = True  # DDP: gather every rank's random state at epoch ends (False: the job writes no checkpoints)
     directory: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mpsrun-ckpt-")))
     best: float | None = None
@@ -309,7 +310,8 @@ class Checkpointer(Callback):
         spent = time.perf_counter() - t
         self.write_time_s += spent
         if self._log is not None:
-            self._log.log_metrics({"mpsrun/checkpoint_time_s": spent, "mpsrun/checkpoint_copy_s": job.copy_s}, step=job.epoch)
+            if job.epoch not in self.logged:
+                self._log.log_metrics({"mpsrun/checkpoint_time_s": spent, "mpsrun/checkpoint_copy_s": job.copy_s}, step=job.epoch)
             if LAST in job.names:
                 self._log.set_tags({"mpsrun.checkpoint.epoch": str(job.epoch)})
 

@@ -146,9 +146,9 @@ def _newest_readable(run_id: str, names: list[str], fetch: Callable[[str], Path 
         listed = "; ".join(f"{n}: {w}" for n, w in tried.items() if w != "missing")
         raise ResumeRefused(f"run {run_id} has no readable checkpoint ({listed})")
     epoch, _, name, state = max(found, key=lambda f: (f[0], f[1]))
-    lost = "is missing" if why == "missing" else f"is not readable ({why})"
-    source = (f"checkpoints/{ckpt.LAST} {lost}; going on from checkpoints/{name}, the newest readable checkpoint "
-              f"(epoch {epoch + 1}); the epochs after it are trained again along the same trajectory")
+    lost = f"{CHECKPOINTS}/{ckpt.LAST} is missing" if why == "missing" else why
+    source = (f"{lost}; going on from {CHECKPOINTS}/{name}, the newest readable checkpoint (epoch {epoch + 1}, "
+              f"MLflow step {epoch}); the epochs after it are trained again along the same trajectory")
     return state, best_path if best_state is not None else None, source
 
 
