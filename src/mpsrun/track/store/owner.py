@@ -135,11 +135,10 @@ def try_claim(c: Any, run_id: str, base: int | None, mine: Claim) -> dict[str, A
     claim = mine.at(seen + 1)
     try:
         c.log_param(run_id, claim.key, claim.value())
-    except MlflowException as e:
+    except MlflowException:  # "Changing param values is not allowed": another process's claim landed first
         again = claims(c.get_run(run_id).data.params).get(claim.generation)
         if again is None or again.token == claim.token:
             raise
-        del e
         w = verdict(again, {})
         return {"ok": False, "message": owned_by(run_id, again, w) if w.state == "alive" else
                 f"run {run_id} was taken by {again.who()} at the same moment; run `mpsrun resume` again to go on from where it stands now"}
