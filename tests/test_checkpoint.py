@@ -115,6 +115,8 @@ def test_sigkill_mid_epoch_shows_interrupted_and_resumes_exactly(work: Any) -> N
     run = work.client().get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.tags["mpsrun.resumed"] == "1"
+    assert "took over run" in " ".join(resumed.stdout.split())  # the killed owner never let go: taken over, said and tagged
+    assert f"pid {proc.pid} on host" in run.data.tags["mpsrun.owner.takeover.1"] and "has exited" in run.data.tags["mpsrun.owner.takeover.1"]
     got = val_losses(work, run_id)
     assert [s for s, _ in got] == [0, 1, 2], "each epoch logged exactly once: no duplicated or missing steps"
     for (_, a), (_, b) in zip(got, expected):
