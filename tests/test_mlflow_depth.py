@@ -51,9 +51,12 @@ FRESH = textwrap.dedent(
         example = Model.load(local).load_input_example(local)
         module = mlflow.pytorch.load_model(uri)
         logits = module(torch.from_numpy(example)).detach().numpy()
-        served = mlflow.pyfunc.load_model(uri).predict(example)
+        served = mlflow.pyfunc.load_model(uri).predict(example)  # a classifier: named columns
+        scores = served[[f"score_{i}" for i in range(10)]].to_numpy()
         out[uri] = {"example": list(example.shape), "dtype": str(example.dtype), "logits": list(logits.shape),
-                    "pyfunc": list(np.asarray(served).shape), "same": bool(np.allclose(logits, served, atol=1e-5)),
+                    "pyfunc": list(served.shape), "columns": list(served.columns[:3]),
+                    "same": bool(np.allclose(logits, scores, atol=1e-5)),
+                    "argmax": served["class_index"].tolist() == logits.argmax(1).tolist() == [int(c) for c in served["class"]],
                     "classes": sorted(set(int(i) for i in logits.argmax(1)))}
     out["mpsrun_imported"] = sorted(m for m in sys.modules if m.split(".")[0] == "mpsrun")
     print(json.dumps(out))
@@ -74,7 +77,8 @@ def test_logged_model_loads_and_predicts_in_a_fresh_process_without_mpsrun(train
     for key in (f"runs:/{run.info.run_id}/model", uri):
         got = out[key]
         assert got["example"] == [5, 1, 8, 8] and got["dtype"] == "uint8"  # raw validation samples
-        assert got["logits"] == [5, 10] and got["pyfunc"] == [5, 10]  # 10 classes
+        assert got["logits"] == [5, 10] and got["pyfunc"] == [5, 13]  # 10 classes: class, class_index, probability, 10 scores
+        assert got["columns"] == ["class", "class_index", "probability"] and got["argmax"], got
         assert got["same"], got
         assert all(0 <= c < 10 for c in got["classes"])
 
@@ -88,7 +92,7 @@ def test_model_has_signature_requirements_data_info_and_a_registry_version(train
     info = get_model_info(f"runs:/{run.info.run_id}/model")
     sig = info.signature.to_dict()
     assert "uint8" in sig["inputs"] and "[-1, 1, 8, 8]" in sig["inputs"]
-    assert "float32" in sig["outputs"] and "[-1, 10]" in sig["outputs"]
+    assert [c["name"] for c in json.loads(sig["outputs"])] == ["class", "class_index", "probability", *[f"score_{i}" for i in range(10)]]
     assert info.metadata["num_classes"] == 10 and info.metadata["serialization"] == "pt2"
     assert "data_info" in info.metadata
     local = Path(mlflow.artifacts.download_artifacts(f"runs:/{run.info.run_id}/model", dst_path=str(work.path / "dl")))

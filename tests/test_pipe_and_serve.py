@@ -47,6 +47,21 @@ class PipedRun:
         return subprocess.run([MPSRUN, *args], cwd=self.path, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300)
 
 
+def _stop(server: subprocess.Popen) -> None:
+    """The server's whole process group (uvicorn and its worker), SIGKILL after 30 s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(server.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            server.wait(timeout=30)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    server.wait()
+
+
 def _git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout.strip()
 
@@ -140,7 +155,8 @@ def test_served_classifier_answers_class_probability_and_named_scores(piped: Pip
     example = Model.load(local).load_input_example(local)
     logits = mlflow.pytorch.load_model(uri)(torch.from_numpy(example)).detach().numpy()  # the raw module: scores
     port = free_port()
-    env = {**piped.env, "MLFLOW_TRACKING_URI": piped.uri}
+    # as from an activated venv: MLflow starts the scoring server with `uvicorn` from PATH
+    env = {**piped.env, "MLFLOW_TRACKING_URI": piped.uri, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{piped.env.get('PATH', '')}"}
     with open(piped.path / "serve.log", "w") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "mlflow", "models", "serve", "-m", uri, "--env-manager", "local", "--host", "127.0.0.1", "-p", str(port)],
@@ -153,12 +169,7 @@ def test_served_classifier_answers_class_probability_and_named_scores(piped: Pip
         with urllib.request.urlopen(req, timeout=60) as r:
             answer = json.load(r)["predictions"]
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        _stop(server)
     assert len(answer) == len(example) == len(logits)
     scores = [f"score_{name}" for name in FASHION_CLASSES]
     for row, z in zip(answer, logits):
