@@ -147,8 +147,11 @@ def test_checkpoint_contents_best_apart_from_last_and_model_from_best(work: Any)
     for k, v in best["model"].items():
         assert torch.equal(logged[k], v), "model_from: best logs the best epoch's weights"
     assert run.data.tags["mpsrun.model_from"].startswith(f"best: epoch {best['epoch']}")
-    assert run.data.metrics["mpsrun/checkpoint_total_time_s"] > 0
-    assert [s for s, _ in work.history(run.info.run_id, "mpsrun/checkpoint_time_s")] == [0, 1, 2]
+    timings = json.loads(Path(work.client().download_artifacts(run.info.run_id, "mpsrun_timings.json", str(work.path))).read_text())
+    assert timings["checkpoint_total_time_s"] > 0
+    assert [e["epoch"] for e in timings["checkpoint_epochs"]] == [0, 1, 2]
+    assert timings["best"] == {"monitor": "val_loss", "value": pytest.approx(max(losses)), "epoch": best["epoch"]}
+    assert not [k for k in run.data.metrics if k.startswith("mpsrun/")], "bookkeeping is no metric (the UI's first charts are the user's)"
 
     r = work.cli("run", "q.yaml", "model_from=last", "checkpoint.keep=2", "-q")
     assert r.exit_code == 0, r.output
@@ -289,12 +292,13 @@ def test_an_epoch_whose_metrics_landed_without_its_checkpoint_is_not_logged_twic
     rid = run.info.run_id
     work.client().update_run(rid, status="KILLED")  # as a stopped run is left
     work.client().log_batch(rid, metrics=[
-        __import__("mlflow").entities.Metric(k, v, 0, 2) for k, v in (("val_loss", 0.123), ("mpsrun/epochs_done", 3.0))
+        __import__("mlflow").entities.Metric(k, v, 0, 2) for k, v in (("val_loss", 0.123), ("train_loss", 0.456))
     ])
     r = work.cli("resume", rid, "epochs=3")
     assert r.exit_code == 0, r.output
     assert "epoch 3's metrics reached the run before the stop" in r.output
     got = sorted(work.history(rid, "val_loss"))
     assert [s for s, _ in got] == [0, 1, 2] and got[2][1] == 0.123  # once, as it landed
-    assert sorted(s for s, _ in work.history(rid, "mpsrun/epochs_done")) == [0, 1, 2]
+    assert sorted(s for s, _ in work.history(rid, "train_loss")) == [0, 1, 2]
+    assert work.client().get_run(rid).data.tags["mpsrun.epochs_done"] == "3"
     assert work.client().get_run(rid).info.status == "FINISHED"

@@ -19,7 +19,9 @@ from mpsrun.track.store import liveness
 from mpsrun.track.store.client import client
 
 CHECKPOINTS = "checkpoints"
-EPOCHS_DONE = "mpsrun/epochs_done"
+EPOCHS_DONE_TAG = "mpsrun.epochs_done"  # set at each epoch's end, with its metrics
+EPOCHS_DONE = "mpsrun/epochs_done"  # the metric runs before it carried
+BEST_TAGS = ("mpsrun.best.monitor", "mpsrun.best.value", "mpsrun.best.epoch")  # set at the end of training
 PLANNED = "mpsrun.epochs_planned"
 
 
@@ -61,6 +63,20 @@ def _int(v: Any) -> int | None:
         return None
 
 
+def _best(tags: dict[str, str], metrics: dict[str, float]) -> str:
+    """"val_loss 0.2413 (epoch 2)": the monitored metric's best (tags; older runs: `mpsrun/best_*` metrics), else the last val_loss."""
+    monitor, value, epoch = (tags.get(k) for k in BEST_TAGS)
+    if monitor and value:
+        return f"{monitor} {float(value):.4g}" + (f" (epoch {epoch})" if epoch else "")
+    old = next((k for k in metrics if k.startswith("mpsrun/best_") and k != "mpsrun/best_epoch"), None)
+    if old is not None:
+        return f"{old.removeprefix('mpsrun/best_')} {metrics[old]:.4g}" + (
+            f" (epoch {int(metrics['mpsrun/best_epoch'])})" if "mpsrun/best_epoch" in metrics else "")
+    if "val_loss" in metrics:
+        return f"val_loss {metrics['val_loss']:.4g} (last)"
+    return ""
+
+
 def row(run: Any, experiment: str) -> RunRow:
     tags, metrics, params = run.data.tags, run.data.metrics, run.data.params
     status = run.info.status
@@ -70,15 +86,7 @@ def row(run: Any, experiment: str) -> RunRow:
         why = v.reason
         if v.gone:
             shown = "INTERRUPTED"
-    monitor = next((k for k in metrics if k.startswith("mpsrun/best_") and k != "mpsrun/best_epoch"), None)
-    if monitor is not None:
-        best = f"{monitor.removeprefix('mpsrun/best_')} {metrics[monitor]:.4g}"
-        if "mpsrun/best_epoch" in metrics:
-            best += f" (epoch {int(metrics['mpsrun/best_epoch'])})"
-    elif "val_loss" in metrics:
-        best = f"val_loss {metrics['val_loss']:.4g} (last)"
-    else:
-        best = ""
+    best = _best(tags, metrics)
     has_ckpt = "mpsrun.checkpoint.epoch" in tags
     return RunRow(
         run_id=run.info.run_id,
@@ -87,7 +95,7 @@ def row(run: Any, experiment: str) -> RunRow:
         status=status,
         shown=shown,
         device=tags.get("device.actual", ""),
-        epochs_done=_int(metrics.get(EPOCHS_DONE)),
+        epochs_done=_int(tags.get(EPOCHS_DONE_TAG, metrics.get(EPOCHS_DONE))),
         epochs_planned=_int(tags.get(PLANNED, params.get("epochs"))),
         best=best,
         start_time=run.info.start_time,

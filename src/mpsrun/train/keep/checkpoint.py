@@ -155,6 +155,7 @@ class Checkpointer(Callback):
     copy_time_s: float = 0.0
     write_time_s: float = 0.0
     errors: list[str] = field(default_factory=list)
+    epoch_times: list[dict[str, float]] = field(default_factory=list)  # per written checkpoint: epoch, write and copy seconds
 
     def __post_init__(self) -> None:
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=2)  # bounded: never more than two host copies
@@ -309,9 +310,10 @@ class Checkpointer(Callback):
         self._prune()
         spent = time.perf_counter() - t
         self.write_time_s += spent
+        # Per-epoch times go to the run's mpsrun_timings.json (`metrics`), not to MLflow metrics:
+        # the UI's "Model metrics" opens with the user's training curves, not mpsrun's bookkeeping.
+        self.epoch_times.append({"epoch": job.epoch, "checkpoint_time_s": spent, "checkpoint_copy_s": job.copy_s})
         if self._log is not None:
-            if job.epoch not in self.logged:
-                self._log.log_metrics({"mpsrun/checkpoint_time_s": spent, "mpsrun/checkpoint_copy_s": job.copy_s}, step=job.epoch)
             if LAST in job.names:
                 self._log.set_tags({"mpsrun.checkpoint.epoch": str(job.epoch)})
 
@@ -346,9 +348,10 @@ class Checkpointer(Callback):
             return load(self.best_file)["model"]
         return None
 
-    def metrics(self) -> dict[str, float]:
-        out = {"mpsrun/checkpoint_total_copy_s": self.copy_time_s, "mpsrun/checkpoint_total_time_s": self.write_time_s}
+    def metrics(self) -> dict[str, Any]:
+        """This session's checkpoint bookkeeping, for the run's `mpsrun_timings.json`: totals, each epoch's times, the best."""
+        out: dict[str, Any] = {"checkpoint_total_copy_s": self.copy_time_s, "checkpoint_total_time_s": self.write_time_s,
+                               "checkpoint_epochs": list(self.epoch_times)}
         if self.best is not None:
-            out[f"mpsrun/best_{self.spec.monitor}"] = self.best
-            out["mpsrun/best_epoch"] = float(self.best_epoch or 0)
+            out["best"] = {"monitor": self.spec.monitor, "value": self.best, "epoch": int(self.best_epoch or 0)}
         return out

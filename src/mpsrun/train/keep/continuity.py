@@ -49,6 +49,7 @@ class Continuity:
         self.recipe = recipe
         self.note = note
         self.resume = resume
+        self.bookkeeping: dict[str, Any] = {}  # the checkpointer's, once fit is over (after_fit)
         self.meta = {k: tags.get(k, "") for k in META_KEYS}
         self.guard = NonFiniteGuard(recipe.on_nonfinite, note)
         main = distributed.is_main_process()  # checkpoints and liveness: rank 0 of a DDP job alone
@@ -121,8 +122,11 @@ class Continuity:
         """Checkpoints written; with `model_from: best`, the best epoch's weights put back into the model."""
         ck = self.checkpointer
         ck.wait()
-        self.tracker.log_metrics(ck.metrics())
+        self.bookkeeping = ck.metrics()  # into mpsrun_timings.json with the runner's own (train/runner.py)
         tags: dict[str, str] = {}
+        if "best" in self.bookkeeping:  # what `mpsrun runs` shows as best (tags: the UI's Overview, not its charts)
+            b = self.bookkeeping["best"]
+            tags.update({"mpsrun.best.monitor": str(b["monitor"]), "mpsrun.best.value": f"{b['value']:.6g}", "mpsrun.best.epoch": str(b["epoch"])})
         if ck.errors:
             tags["mpsrun.checkpoint.errors"] = " | ".join(ck.errors)
         if self.recipe.model_from == "best":

@@ -163,8 +163,10 @@ def _landed_after(files: RunFiles, run_id: str, done: int) -> frozenset[int]:
     diverged epoch stays as evidence beside its retry, which logs its own figures).
     """
     try:
-        history = files.c.get_metric_history(run_id, "mpsrun/epochs_done")
-    except Exception:  # an older run without the metric, or a store that does not answer: log as usual
+        # train_loss is logged every epoch, in the same batch as the epoch's other metrics
+        # (runs before it carried an `mpsrun/epochs_done` metric at the same steps)
+        history = files.c.get_metric_history(run_id, "train_loss")
+    except Exception:  # a store that does not answer: log as usual
         return frozenset()
     return frozenset(int(m.step) for m in history if int(m.step) >= done)
 
