@@ -1,7 +1,7 @@
 """What do end-of-epoch checkpoints cost? Steady epoch time with `checkpoint.every` 0 and 1.
 
-The checkpoint is copied to the host on the training thread (`mpsrun/checkpoint_copy_s`)
-and written and uploaded by a background thread (`mpsrun/checkpoint_time_s`); this
+The checkpoint is copied to the host on the training thread (`checkpoint_copy_s` in the run's mpsrun_timings.json)
+and written and uploaded by a background thread (`checkpoint_time_s`); this
 script trains the same recipe both ways, interleaved, and prints a Markdown table.
 
     python benchmarks/checkpoint_bench.py --device cpu  [--repeats 3] [--epochs 6]
@@ -32,6 +32,20 @@ tracking: {{experiment: ckpt_bench, log_model: false}}
 """
 
 
+
+def _timings(c, run_id):  # type: ignore[no-untyped-def]
+    """mpsrun's bookkeeping from the run's mpsrun_timings.json, under the `mpsrun/` names the metrics had before."""
+    import json
+    import tempfile
+    from pathlib import Path as _P
+
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            data = json.loads(_P(c.download_artifacts(run_id, "mpsrun_timings.json", d)).read_text())
+    except Exception:  # a run from before the file: its metrics carry the names
+        return {}
+    return {f"mpsrun/{k}": v for k, v in data.items() if isinstance(v, (int, float))}
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -59,7 +73,7 @@ def main() -> None:
             t = time.perf_counter()
             s = runner.run(resolved, uri)
             wall = time.perf_counter() - t
-            m = c.get_run(s.run.run_id).data.metrics
+            m = {**c.get_run(s.run.run_id).data.metrics, **_timings(c, s.run.run_id)}
             rows[every].append(
                 {
                     "wall": wall,

@@ -41,6 +41,20 @@ from baselines import resident_loop, tutorial_loop  # noqa: E402
 RECIPE = ROOT / "recipes" / "fashion_mlp_mps.yaml"
 
 
+
+def _timings(c, run_id):  # type: ignore[no-untyped-def]
+    """mpsrun's bookkeeping from the run's mpsrun_timings.json, under the `mpsrun/` names the metrics had before."""
+    import json
+    import tempfile
+    from pathlib import Path as _P
+
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            data = json.loads(_P(c.download_artifacts(run_id, "mpsrun_timings.json", d)).read_text())
+    except Exception:  # a run from before the file: its metrics carry the names
+        return {}
+    return {f"mpsrun/{k}": v for k, v in data.items() if isinstance(v, (int, float))}
+
 def ensure_data(root: Path, n_train: int, n_test: int) -> str:
     """Real files if present, else generated ones in the same format; says which."""
     from mpsrun.plugins.builtin.datasets import _has_files
@@ -79,7 +93,7 @@ def run_mpsrun(root: Path, device: str, epochs: int, store: Path, extra: list[st
     c = MlflowClient(uri)
     exp = c.get_experiment_by_name("fashion_bench")
     run = c.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=1)[0]
-    m = run.data.metrics
+    m = {**run.data.metrics, **_timings(c, run.info.run_id)}
     times = [x.value for x in sorted(c.get_metric_history(run.info.run_id, "epoch_time_s"), key=lambda x: x.step)]
     return {
         "epoch_times_s": times,

@@ -4,7 +4,7 @@ Runs the flagship recipe (`recipes/fashion_mlp_mps.yaml`, falling back from MPS 
 CUDA) through the installed CLI, twice in each of two ways, interleaved:
 with the model logged and registered (the default) and with `tracking.log_model:
 false`. Reads back from the MLflow store: `system/gpu_*` metrics (MLflow's monitor
-through pynvml, from nvidia-ml-py), `mpsrun/log_model_time_s`, figures and dataset
+through pynvml, from nvidia-ml-py), `log_model_time_s` (mpsrun_timings.json), figures and dataset
 timings, and each run's wall time. Then loads the registered model in a fresh
 Python process and runs `mpsrun eval` on it. Writes `mlflow_gpu.md` (and the raw
 JSON) to $OUT; exit 1 when GPU metrics are missing or a step failed.
@@ -48,6 +48,20 @@ print(json.dumps({"shape": list(y.shape), "pyfunc_shape": list(np.asarray(p).sha
 """
 
 
+
+def _timings(c, run_id):  # type: ignore[no-untyped-def]
+    """mpsrun's bookkeeping from the run's mpsrun_timings.json, under the `mpsrun/` names the metrics had before."""
+    import json
+    import tempfile
+    from pathlib import Path as _P
+
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            data = json.loads(_P(c.download_artifacts(run_id, "mpsrun_timings.json", d)).read_text())
+    except Exception:  # a run from before the file: its metrics carry the names
+        return {}
+    return {f"mpsrun/{k}": v for k, v in data.items() if isinstance(v, (int, float))}
+
 def sh(args: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, float, str]:
     t = time.perf_counter()
     p = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True)
@@ -89,7 +103,7 @@ def main() -> int:
     exp = c.get_experiment_by_name(EXPERIMENT)
     runs = c.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"]) if exp else []
     for row, run in zip(rows, runs):
-        m = run.data.metrics
+        m = {**run.data.metrics, **_timings(c, run.info.run_id)}
         row.update(
             run_id=run.info.run_id,
             device=run.data.tags.get("device.name", "?"),

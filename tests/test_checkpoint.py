@@ -115,6 +115,8 @@ def test_sigkill_mid_epoch_shows_interrupted_and_resumes_exactly(work: Any) -> N
     run = work.client().get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.tags["mpsrun.resumed"] == "1"
+    assert "took over run" in " ".join(resumed.stdout.split())  # the killed owner never let go: taken over, said and tagged
+    assert f"pid {proc.pid} on host" in run.data.tags["mpsrun.owner.takeover.1"] and "has exited" in run.data.tags["mpsrun.owner.takeover.1"]
     got = val_losses(work, run_id)
     assert [s for s, _ in got] == [0, 1, 2], "each epoch logged exactly once: no duplicated or missing steps"
     for (_, a), (_, b) in zip(got, expected):
@@ -129,7 +131,7 @@ def test_checkpoint_contents_best_apart_from_last_and_model_from_best(work: Any)
     assert r.exit_code == 0, r.output
     (run,) = work.runs("quick")
     art = Path(run.info.artifact_uri.removeprefix("file://")) / "checkpoints"
-    assert sorted(p.name for p in art.iterdir()) == ["best.pt", "last.pt"]  # no temporary files left behind
+    assert sorted(p.name for p in art.iterdir()) == ["best.pt", "last.pt", "prev.pt"]  # no temporary files left behind
     last = torch.load(art / "last.pt", weights_only=False)
     best = torch.load(art / "best.pt", weights_only=False)
     assert last["epoch"] == 2 and len(last["history"]) == 3
@@ -145,15 +147,18 @@ def test_checkpoint_contents_best_apart_from_last_and_model_from_best(work: Any)
     for k, v in best["model"].items():
         assert torch.equal(logged[k], v), "model_from: best logs the best epoch's weights"
     assert run.data.tags["mpsrun.model_from"].startswith(f"best: epoch {best['epoch']}")
-    assert run.data.metrics["mpsrun/checkpoint_total_time_s"] > 0
-    assert [s for s, _ in work.history(run.info.run_id, "mpsrun/checkpoint_time_s")] == [0, 1, 2]
+    timings = json.loads(Path(work.client().download_artifacts(run.info.run_id, "mpsrun_timings.json", str(work.path))).read_text())
+    assert timings["checkpoint_total_time_s"] > 0
+    assert [e["epoch"] for e in timings["checkpoint_epochs"]] == [0, 1, 2]
+    assert timings["best"] == {"monitor": "val_loss", "value": pytest.approx(max(losses)), "epoch": best["epoch"]}
+    assert not [k for k in run.data.metrics if k.startswith("mpsrun/")], "bookkeeping is no metric (the UI's first charts are the user's)"
 
     r = work.cli("run", "q.yaml", "model_from=last", "checkpoint.keep=2", "-q")
     assert r.exit_code == 0, r.output
     run2 = work.runs("quick")[-1]
     assert run2.data.tags["mpsrun.model_from"] == "last: epoch 2"
     art2 = Path(run2.info.artifact_uri.removeprefix("file://")) / "checkpoints"
-    assert sorted(p.name for p in art2.iterdir()) == ["best.pt", "epoch-0001.pt", "epoch-0002.pt", "last.pt"]
+    assert sorted(p.name for p in art2.iterdir()) == ["best.pt", "epoch-0001.pt", "epoch-0002.pt", "last.pt", "prev.pt"]
 
 
 def test_checkpoint_every_zero_is_off_and_resume_refuses(work: Any) -> None:
@@ -287,12 +292,13 @@ def test_an_epoch_whose_metrics_landed_without_its_checkpoint_is_not_logged_twic
     rid = run.info.run_id
     work.client().update_run(rid, status="KILLED")  # as a stopped run is left
     work.client().log_batch(rid, metrics=[
-        __import__("mlflow").entities.Metric(k, v, 0, 2) for k, v in (("val_loss", 0.123), ("mpsrun/epochs_done", 3.0))
+        __import__("mlflow").entities.Metric(k, v, 0, 2) for k, v in (("val_loss", 0.123), ("train_loss", 0.456))
     ])
     r = work.cli("resume", rid, "epochs=3")
     assert r.exit_code == 0, r.output
     assert "epoch 3's metrics reached the run before the stop" in r.output
     got = sorted(work.history(rid, "val_loss"))
     assert [s for s, _ in got] == [0, 1, 2] and got[2][1] == 0.123  # once, as it landed
-    assert sorted(s for s, _ in work.history(rid, "mpsrun/epochs_done")) == [0, 1, 2]
+    assert sorted(s for s, _ in work.history(rid, "train_loss")) == [0, 1, 2]
+    assert work.client().get_run(rid).data.tags["mpsrun.epochs_done"] == "3"
     assert work.client().get_run(rid).info.status == "FINISHED"

@@ -40,7 +40,7 @@ def test_eval_of_a_regression_run_reports_its_val_metrics_in_target_units_and_no
     m = ev.data.metrics
     assert not {k for k in m if "accuracy" in k}, sorted(m)
     # the logged model is the best epoch's: evaluated on the same split, it gives that epoch's figures
-    best = int(run.data.metrics["mpsrun/best_epoch"])
+    best = int(run.data.tags["mpsrun.best.epoch"])
     rid = run.info.run_id
     assert m["eval_loss"] == pytest.approx(_at(work, rid, "val_loss", best), rel=1e-5)
     for k in ("mae", "rmse", "r2"):

@@ -197,7 +197,7 @@ def _free_port() -> int:
 
 
 def test_served_model_answers_an_http_request(trained) -> None:  # type: ignore[no-untyped-def]
-    """`mlflow models serve` on the logged model; a POST of two uint8 images gets two rows of class scores."""
+    """`mlflow models serve` on the logged model; a POST of two uint8 images gets each one's class by name and scores."""
     w, _, root = trained
     run = w.runs("images_folder")[0]
     port = _free_port()
@@ -223,7 +223,10 @@ def test_served_model_answers_an_http_request(trained) -> None:  # type: ignore[
         with urllib.request.urlopen(req, timeout=60) as r:
             body = json.loads(r.read())
         preds = body["predictions"]
-        assert len(preds) == 2 and len(preds[0]) == 3  # two images, three classes
+        classes = ["cross", "disc", "square"]
+        assert len(preds) == 2  # two images, each answered by name with every class's score
+        assert all(p["class"] in classes and p["class"] == classes[p["class_index"]] for p in preds), preds
+        assert all({f"score_{c}" for c in classes} <= set(p) and 0 <= p["probability"] <= 1 for p in preds), preds
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 15)

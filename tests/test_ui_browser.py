@@ -175,6 +175,33 @@ def test_run_page_shows_the_parameters(page, ui_run: UiRun, tmp_path: Path) -> N
     page.screenshot(path=str(tmp_path / "overview.png"), full_page=True)
 
 
+def test_model_metrics_tab_opens_with_the_users_training_metrics(page, ui_run: UiRun, tmp_path: Path) -> None:
+    """The tab's first section and first charts are the run's training metrics, not mpsrun's bookkeeping.
+
+    MLflow's UI puts every "prefix/" section before the unprefixed "Model metrics" one; mpsrun's
+    bookkeeping (`mpsrun/...` metrics once) now sits in mpsrun_timings.json.
+    """
+    metrics = ui_run.client().get_run(ui_run.run_id).data.metrics
+    training = sorted(k for k in metrics if "/" not in k)  # what the run's Model metrics tab draws
+    assert {"train_loss", "val_loss", "val_accuracy"} <= set(training) and [k for k in metrics if "/" in k and not k.startswith("system/")] == []
+    page.get_by_text("Model metrics", exact=True).first.click()
+    search = page.get_by_placeholder(re.compile("Search metric charts", re.I))
+    search.fill("")
+    page.locator(".js-plotly-plot").first.wait_for()
+    # section headings and chart titles, in the order the page shows them
+    shown = page.evaluate(
+        """(names) => Array.from(document.querySelectorAll('body *'))
+             .filter(e => e.children.length === 0 && (names.includes(e.textContent.trim()) || /^(Model metrics|mpsrun)$/.test(e.textContent.trim())))
+             .map(e => e.textContent.trim())""",
+        [*training, "best_epoch", "checkpoint_time_s", "mlflow_log_time_s", "epochs_done"],
+    )
+    charts = [t for t in shown if t in training]
+    assert "mpsrun" not in shown and not {"best_epoch", "checkpoint_time_s", "mlflow_log_time_s", "epochs_done"} & set(shown), shown
+    assert charts[:6] == training[:6], shown  # the first screen: the run's training metrics, in MLflow's (alphabetical) order
+    assert {"train_loss", "val_loss"} <= set(charts), shown  # the losses in that first section
+    page.screenshot(path=str(tmp_path / "model_metrics_first_screen.png"))
+
+
 def test_model_metrics_tab_draws_the_val_loss_curve(page, ui_run: UiRun, tmp_path: Path) -> None:
     history = ui_run.client().get_metric_history(ui_run.run_id, "val_loss")
     assert [m.step for m in history] == [0, 1, 2]

@@ -8,6 +8,8 @@ data, unreachable server), 1 failure while running, 130 interrupted (SIGINT),
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -25,8 +27,30 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
-err = Console(stderr=True)
+
+
+def _console(stderr: bool = False) -> Console:
+    """A console that reads well where it lands.
+
+    In a terminal: Rich as usual (colour, bars, tables fitted to the window). Outside one
+    (CI logs, Slurm, `docker logs`, `| tee`) Rich would assume 80 columns and break every
+    longer line, leaving "samples/s" alone on the next one; there a message is one whole
+    line (soft wrap: the reader's pager or log viewer wraps it) and tables get room
+    (`$COLUMNS` when set, else 200; a table takes only the width it needs).
+    """
+    stream = sys.stderr if stderr else sys.stdout
+    try:
+        tty = stream.isatty()
+    except (AttributeError, ValueError):  # a closed or odd stream
+        tty = False
+    if tty:
+        return Console(stderr=stderr)
+    columns = os.environ.get("COLUMNS", "")
+    return Console(stderr=stderr, soft_wrap=True, width=int(columns) if columns.isdigit() and int(columns) > 0 else 200)
+
+
+console = _console()
+err = _console(stderr=True)
 
 from mpsrun.exitcodes import EXIT_FAIL, EXIT_INPUT, EXIT_INTERRUPT, EXIT_OK, EXIT_TERM  # noqa: F401 - re-exported to the commands
 

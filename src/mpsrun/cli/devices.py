@@ -28,14 +28,39 @@ from mpsrun.cli.common import (
 def ui(
     port: int = typer.Option(5000, "--port", help="Port to serve on (127.0.0.1)."),
     tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="Store to browse; default as for `run`."),
+    experiment: Optional[str] = typer.Option(
+        None, "--experiment", "-e", help="Experiment whose training runs the printed link opens; default: the one with the most recent run."
+    ),
 ) -> None:
-    """Start the MLflow UI on the same store `mpsrun run` writes to. Ctrl-C / SIGTERM stop it (exit 130 / 143)."""
+    """Start the MLflow UI on the same store `mpsrun run` writes to. Ctrl-C / SIGTERM stop it (exit 130 / 143).
+
+    Says "starting..." at once and prints the link when the server answers.
+    """
     from mpsrun.track.store import client as tracking
     from mpsrun.track import ui_server
 
     uri, artifacts = tracking.resolve_uri(tracking_uri)
-    console.print(f"MLflow UI for {uri} at http://127.0.0.1:{port}  (Ctrl-C to stop)", highlight=False)
-    code = ui_server.serve(ui_server.command(uri, artifacts, "127.0.0.1", port))
+    base = f"http://127.0.0.1:{port}"
+    console.print(f"starting the MLflow UI for {uri} on port {port}...", highlight=False)
+    chosen: dict[str, str] = {}
+
+    def choose() -> None:  # while the server starts (tens of seconds on a small machine)
+        try:
+            chosen["id"], chosen["name"] = ui_server.choose_experiment(uri, experiment)
+        except LookupError:
+            from mpsrun.track.store.runs import experiment_names
+            from mpsrun.recipe.problems import did_you_mean
+
+            raise bad_input(f"no experiment '{experiment}' in {uri}{did_you_mean(experiment or '', experiment_names(uri))}") from None
+        except Exception as e:  # noqa: BLE001 - the store could not be read here: the link opens the UI's home page
+            err.print(f"[yellow]warning:[/] could not choose an experiment ({type(e).__name__}: {e}); the link opens the UI's home page",
+                      highlight=False, markup=True)
+
+    def ready() -> None:
+        link = ui_server.experiment_page(base, chosen.get("id"))
+        console.print(f"MLflow UI: {link}  (experiment '{chosen.get('name', '?')}'; Ctrl-C to stop)", highlight=False, soft_wrap=True)
+
+    code = ui_server.serve(ui_server.command(uri, artifacts, "127.0.0.1", port), url=base, on_ready=ready, on_started=choose)
     if code in (EXIT_INTERRUPT, EXIT_TERM):
         err.print("stopped: the MLflow UI server and its workers have exited", highlight=False)
     raise typer.Exit(code)

@@ -119,6 +119,8 @@ def _resume(uri: str, run_id: str, overrides: list[str], tracking_uri: Optional[
         try:
             with interrupt.stop_on_signals():
                 summary = runner.execute(setup, tracking_uri, progress, resume=p.point, experiment=p.experiment)
+        except runner.OwnerConflict as e:  # another live process took the run first: it is named, the run untouched
+            raise bad_input(escape(str(e))) from None
         except KeyboardInterrupt as e:
             if isinstance(progress, BarProgress):
                 progress.stop()
@@ -137,6 +139,27 @@ def _resume(uri: str, run_id: str, overrides: list[str], tracking_uri: Optional[
     s = summary.result.summary()
     console.print(f"done: {quality(summary.result.epochs[-1])}  val_loss {s['final_val_loss']:.4f}", highlight=False)
     console.print(f"MLflow: {summary.run.ui_hint()}  (browse: mpsrun ui)", highlight=False)
+
+
+RUNS_COLUMNS = ("run id", "experiment", "name", "status", "device", "epochs", "best", "started")
+
+
+def _runs_cells(r) -> list[str]:  # type: ignore[no-untyped-def]
+    done = "?" if r.epochs_done is None else str(r.epochs_done)
+    planned = "?" if r.epochs_planned is None else str(r.epochs_planned)
+    started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.start_time / 1000)) if r.start_time else ""
+    return [r.run_id, r.experiment, r.name, r.shown, r.device, f"{done}/{planned}", r.best, started]
+
+
+def aligned(rows: list[list[str]]) -> list[str]:
+    """Rows as lines, each column padded to its widest cell and two spaces apart; nothing cut or folded.
+
+    An empty cell shows as "-", so a reader's eye (or `grep RUN_ID`) never meets a gap that
+    shifts the columns.
+    """
+    rows = [[c if c.strip() else "-" for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
 
 
 @app.command()
@@ -163,18 +186,20 @@ def runs(
     if not rows:
         console.print(f"no runs in {uri}", highlight=False)
         return
-    from rich.table import Table
+    cells = [_runs_cells(r) for r in rows]
+    if console.is_terminal:
+        from rich.table import Table
 
-    t = Table(box=None, pad_edge=False)
-    for col in ("run id", "experiment", "name", "status", "device", "epochs", "best", "started"):
-        t.add_column(col, no_wrap=col in ("run id", "status", "epochs"), overflow="fold")
-    colour = {"FINISHED": "green", "FAILED": "red", "KILLED": "yellow", "INTERRUPTED": "yellow", "RUNNING": "cyan"}
-    for r in rows:
-        done = "?" if r.epochs_done is None else str(r.epochs_done)
-        planned = "?" if r.epochs_planned is None else str(r.epochs_planned)
-        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.start_time / 1000)) if r.start_time else ""
-        t.add_row(r.run_id, r.experiment, r.name, f"[{colour.get(r.shown, 'white')}]{r.shown}[/]", r.device, f"{done}/{planned}", r.best, started)
-    console.print(t)
+        t = Table(box=None, pad_edge=False)
+        for col in RUNS_COLUMNS:
+            t.add_column(col, no_wrap=col in ("run id", "status", "epochs"), overflow="fold")
+        colour = {"FINISHED": "green", "FAILED": "red", "KILLED": "yellow", "INTERRUPTED": "yellow", "RUNNING": "cyan"}
+        for c in cells:
+            t.add_row(*c[:3], f"[{colour.get(c[3], 'white')}]{c[3]}[/]", *c[4:])
+        console.print(t)
+    else:  # a pipe, a log, a file: plain aligned lines that grep, cut and awk can read, one per run
+        for line in aligned([list(RUNS_COLUMNS), *cells]):
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
     for r in rows:
         if r.shown == "INTERRUPTED":
             console.print(f"{r.run_id}: RUNNING in MLflow but its process is gone ({r.why})", highlight=False, soft_wrap=True)

@@ -8,6 +8,10 @@ foreground group. So the server runs in a session (process group) of its own,
 and on SIGINT or SIGTERM mpsrun stops that whole group (SIGTERM, the server's
 graceful shutdown), waits for it to exit (SIGKILL after a grace period), and exits
 130 or 143 like every other command.
+
+The URL is printed only once the server answers (`/health`): `mlflow ui` takes tens of
+seconds to start on a small machine, and a link printed at once led to "connection
+refused". It opens the experiment's training runs (`experiment_page`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from types import FrameType
+from typing import Callable, Optional
 
 GRACE_S = 10.0  # after forwarding a signal, how long the server may take before SIGKILL
 EXIT_BY_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -28,6 +34,43 @@ def command(uri: str, artifacts: str | None, host: str, port: int) -> list[str]:
     if artifacts:
         cmd += ["--default-artifact-root", artifacts]
     return cmd
+
+
+def experiment_page(base_url: str, experiment_id: str | None) -> str:
+    """The UI's page of an experiment's training runs (its home page without one)."""
+    return f"{base_url}/#/experiments/{experiment_id}/runs" if experiment_id is not None else base_url
+
+
+def choose_experiment(uri: str, name: str | None) -> tuple[str, str]:
+    """(id, name) of the experiment to open: `name`; else the one with the most recent run; else Default.
+
+    LookupError(name) when `name` is not in the store.
+    """
+    from mpsrun.track.store.client import client
+
+    c = client(uri)
+    if name is not None:
+        exp = c.get_experiment_by_name(name)
+        if exp is None:
+            raise LookupError(name)
+        return exp.experiment_id, exp.name
+    exps = {e.experiment_id: e.name for e in c.search_experiments()}
+    if exps:
+        latest = c.search_runs(list(exps), max_results=1, order_by=["attributes.start_time DESC"])
+        if latest:
+            eid = latest[0].info.experiment_id
+            return eid, exps[eid]
+    default = c.get_experiment_by_name("Default")
+    return (default.experiment_id, default.name) if default is not None else ("0", "Default")
+
+
+def answers(url: str, timeout: float = 1.0) -> bool:
+    """Whether the server at `url` answers its health check with 200."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as r:
+            return r.status == 200
+    except (OSError, ValueError):
+        return False
 
 
 def _group_alive(pgid: int) -> bool:
@@ -65,11 +108,15 @@ def stop_group(proc: subprocess.Popen, sig: int, grace: float = GRACE_S) -> None
         time.sleep(0.05)
 
 
-def serve(cmd: list[str]) -> int:
+def serve(cmd: list[str], url: Optional[str] = None, on_ready: Optional[Callable[[], None]] = None,
+          on_started: Optional[Callable[[], None]] = None) -> int:
     """Run the server until it exits or we get SIGINT/SIGTERM; the exit code to use.
 
-    The server's own exit code when it stops by itself; 130 (SIGINT) or 143 (SIGTERM)
-    when stopped, after the whole process group is gone and the port is free.
+    `on_started` runs once the server process is started (work to do while it starts up, e.g.
+    choosing the experiment; an exception from it stops the server and is raised); `on_ready`
+    once `url` answers its health check. The server's own exit code when it stops by itself;
+    130 (SIGINT) or 143 (SIGTERM) when stopped, after the whole process group is gone and the
+    port is free.
     """
     got: list[int] = []
 
@@ -80,10 +127,17 @@ def serve(cmd: list[str]) -> int:
     try:
         proc = subprocess.Popen(cmd, start_new_session=True)
         try:
+            if on_started is not None:
+                on_started()
+            ready = url is None
             while not got:
                 try:
                     code = proc.wait(timeout=0.2)
                 except subprocess.TimeoutExpired:
+                    if not ready and answers(url):  # type: ignore[arg-type]
+                        ready = True
+                        if on_ready is not None:
+                            on_ready()
                     continue
                 stop_group(proc, signal.SIGTERM, grace=2.0)  # the leader exited: no worker may outlive it
                 return code

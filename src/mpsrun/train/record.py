@@ -51,7 +51,7 @@ class Recorder:
     setup: "Setup"
     system: bool = False  # the system-metrics monitor runs (beside the tracker: `hooks.stop_system`)
     notes: list[str] = field(default_factory=list)  # fallbacks and skips: printed and tagged by the runner
-    timings: dict[str, float] = field(default_factory=dict)  # mpsrun/... bookkeeping metrics
+    timings: dict[str, float] = field(default_factory=dict)  # mpsrun's bookkeeping: into mpsrun_timings.json
     model: model_log.ModelLogResult | None = None
 
 

@@ -28,6 +28,10 @@ class DatasetUnavailable(Exception):
     """The data is not on disk and could not be fetched: bad input (exit code 2)."""
 
 
+# FashionMNIST's labels 0-9 (torchvision's FashionMNIST.classes): the served model, the figures and
+# data_info.json name them.
+FASHION_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
+
 def _has_files(raw: Path) -> bool:
     return all(readers.idx_path(raw, f) is not None for f in _MNIST_FILES)
 
@@ -113,7 +117,7 @@ def _torchvision_mnist(
         num_classes=10,
         input_shape=transform.output_shape((1, 28, 28)),
         transform=transform,
-        info={"notes": notes} if notes else {},
+        info={**({"notes": notes} if notes else {}), **({"classes": list(FASHION_CLASSES)} if cls_name == "FashionMNIST" else {})},
         test=test_split,
     )
 

@@ -123,6 +123,7 @@ def log_model(t: Any, served: Any, example: Any, distributions: dict[str, str], 
 
         served = torch.load(served, map_location="cpu", weights_only=False)
     res = model_log.log_served(t.uri, t.experiment_id, t.run_id, served, example, distributions, info, metadata, register=register, step=step)
+    _source(t, res.model_id, res.notes)
     return {"model_uri": res.model_uri, "model_id": res.model_id, "seconds": res.seconds, "registered": res.registered, "notes": res.notes}
 
 
@@ -131,5 +132,15 @@ def log_exported(t: Any, pt2_file: str, example: Any, outputs: Any, torch_versio
     """The logged (and registered) model from a pt2 file the training process exported (no torch here)."""
     from mpsrun.track.records import model_pt2
 
-    return model_pt2.log_exported(t.uri, t.experiment_id, t.run_id, pt2_file, example, outputs, torch_version, "model",
-                                  distributions, info, metadata, register=register, step=step)
+    res = model_pt2.log_exported(t.uri, t.experiment_id, t.run_id, pt2_file, example, outputs, torch_version, "model",
+                                 distributions, info, metadata, register=register, step=step)
+    _source(t, res["model_id"], res["notes"])
+    return res
+
+
+def _source(t: Any, model_id: str | None, notes: list[str]) -> None:
+    """The logged model's source tags: the run's (the recipe and its git state), not the logging process's."""
+    try:
+        standard.model_source(t.c, t.run_id, model_id)
+    except Exception as e:  # noqa: BLE001 - the model is logged; its "Logged from" is wrong, said and tagged
+        notes.append(f"model: source tags not set ({type(e).__name__}: {e})")

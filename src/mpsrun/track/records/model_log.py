@@ -1,12 +1,14 @@
 """Log the trained model the MLflow way: a LoggedModel a fresh process can load.
 
-`mlflow.pytorch.log_model(name="model")` (MLflow 3) with:
+The model folder `mlflow.pytorch.log_model(name="model")` (MLflow 3) would write, with:
 - MLflow's `pt2` format (torch.export): a traced graph with the weights, no pickle,
   so `mlflow.pytorch.load_model` and `mlflow.pyfunc.load_model` work in a process
   that never imports mpsrun or the plugin (MLflow 3.17 refuses to unpickle models
   unless told to). A model torch.export cannot trace falls back to pickle, said
   and tagged; the logged module is then the plain one (`served.unwrap`), never a
   compiled or DDP wrapper, and plugin classes load by their module path;
+- for a classifier, a pyfunc that answers named columns (class, class_index,
+  probability, score_<class>; `classifier`); a pickled model's answers raw scores;
 - a signature and an input example taken from the validation data (raw, as the
   dataset yields it: the logged module carries the input transform, see `served`);
 - explicit pip requirements (torch, mlflow, and the distributions that shipped
@@ -141,20 +143,39 @@ def log_served(
     register: str | None = None,
     step: int = 0,
 ) -> ModelLogResult:
-    """`log_model` for a `served_copy` made already (in the MLflow helper: made by the training process)."""
+    """`log_model` for a `served_copy` made already (in the MLflow helper: made by the training process).
+
+    Exported with torch.export and written as `model_pt2` writes it (a classifier's pyfunc answers
+    named columns: track/records/classifier.py); a model torch.export cannot trace is pickled.
+    """
     import mlflow
     from mlflow.models import infer_signature
 
     t0 = time.perf_counter()
+    x = torch.as_tensor(example).detach().to("cpu")
+    x_np = x.numpy()
+    with tempfile.TemporaryDirectory() as d:  # the same model folder the MLflow helper writes (model_pt2)
+        try:
+            pt2, outputs = export_pt2(served, x_np, d)
+        except Exception as e:  # a model torch.export cannot trace (data-dependent control flow, ...)
+            export_error: Exception | None = e
+        else:
+            from mpsrun.track.records import model_pt2
+
+            out = model_pt2.log_exported(uri, experiment_id, run_id, pt2, x_np, outputs, str(torch.__version__), ARTIFACT,
+                                         distributions, info, metadata, register=register, step=step)
+            return ModelLogResult(out["model_uri"], out["model_id"], time.perf_counter() - t0, out["registered"], out["notes"])
     mlflow.set_tracking_uri(uri)
     mlflow.set_experiment(experiment_id=experiment_id)  # the LoggedModel's experiment is the run's
-    x = torch.as_tensor(example).detach().to("cpu")
     with torch.no_grad():
         y = served(x)
-    x_np = x.numpy()
     signature = infer_signature(x_np, y.numpy())
     meta = {**metadata, "data_info": info}
-    notes: list[str] = []
+    notes: list[str] = [
+        f"model: torch.export failed ({type(export_error).__name__}: {str(export_error).splitlines()[0][:200] if str(export_error) else ''}); "
+        "logged with pickle instead: loading it needs the plugin's package and MLFLOW_ALLOW_PICKLE_DESERIALIZATION=true; "
+        "pyfunc answers raw scores"
+    ]
     with tempfile.TemporaryDirectory() as d:
         info_file = Path(d) / "data_info.json"
         info_file.write_text(json.dumps(info, indent=2, default=str))
@@ -179,14 +200,7 @@ def log_served(
                 validate_serving_input=False,
             )
 
-        try:
-            logged = _log("pt2")
-        except Exception as e:  # a model torch.export cannot trace (data-dependent control flow, ...)
-            notes.append(
-                f"model: torch.export failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
-                "logged with pickle instead: loading it needs the plugin's package and MLFLOW_ALLOW_PICKLE_DESERIALIZATION=true"
-            )
-            logged = _log("pickle")
+        logged = _log("pickle")
     registered = None
     if register and getattr(logged, "registered_model_version", None) is not None:
         registered = f"models:/{register}/{logged.registered_model_version}"

@@ -22,10 +22,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mpsrun.track.records import classifier
+
 FLAVOR = "pytorch"  # mlflow.pytorch.FLAVOR_NAME
 DATA = "data"  # mlflow.pytorch._MODEL_DATA_SUBPATH
 PT2_FILE = "model.pt2"  # mlflow.pytorch._EXPORTED_TORCH_MODEL_FILE_NAME
 PICKLE_MODULE = "mlflow.pytorch.pickle_module"  # recorded by mlflow.pytorch for pyfunc, pt2 or not
+CODE = "code"  # the model folder's code directory (pyfunc puts it on sys.path): the classifier's loader
 
 
 def _plain_version(v: str) -> str:
@@ -52,9 +55,9 @@ class _Flavor:
     """What `Model.log` calls to write the model folder: `mlflow.pytorch.save_model`'s pt2 branch,
     given the exported file instead of the module."""
 
-    def __init__(self, pt2_file: str, torch_version: str) -> None:
+    def __init__(self, pt2_file: str, torch_version: str, classes: list[str] | None = None) -> None:
         self.__name__ = "mlflow.pytorch"  # the LoggedModel's flavor, as mlflow.pytorch.log_model records it
-        self.pt2_file, self.torch_version = pt2_file, torch_version
+        self.pt2_file, self.torch_version, self.classes = pt2_file, torch_version, classes
 
     def save_model(self, path: str, mlflow_model: Any, signature: Any = None, input_example: Any = None,
                    pip_requirements: list[str] | None = None, extra_files: list[str] | None = None, metadata: Any = None, **_: Any) -> None:
@@ -84,12 +87,21 @@ class _Flavor:
         shutil.copyfile(self.pt2_file, os.path.join(path, DATA, PT2_FILE))
         extra = _copy_extra_files(extra_files, path)
         mlflow_model.add_flavor(FLAVOR, model_data=DATA, pytorch_version=self.torch_version, code=None, **extra)
+        loader, code = "mlflow.pytorch", None
+        if self.classes is not None:  # pyfunc answers class, class_index, probability, score_<class> (track/records/classifier.py)
+            import json
+
+            with open(os.path.join(path, DATA, classifier.CLASSES_FILE), "w") as f:
+                json.dump({"classes": self.classes}, f, indent=2)
+            os.makedirs(os.path.join(path, CODE))
+            shutil.copyfile(classifier.__file__, os.path.join(path, CODE, f"{classifier.LOADER_MODULE}.py"))
+            loader, code = classifier.LOADER_MODULE, CODE
         pyfunc.add_to_model(
             mlflow_model,
-            loader_module="mlflow.pytorch",
+            loader_module=loader,
             data=DATA,
             pickle_module_name=PICKLE_MODULE,
-            code=None,
+            code=code,
             conda_env=_CONDA_ENV_FILE_NAME,
             python_env=_PYTHON_ENV_FILE_NAME,
             model_config={"device": None},
@@ -119,6 +131,12 @@ def log_exported(uri: str, experiment_id: str, run_id: str, pt2_file: str, examp
     t0 = time.perf_counter()
     mlflow.set_tracking_uri(uri)
     mlflow.set_experiment(experiment_id=experiment_id)  # the LoggedModel's experiment is the run's
+    k = int(metadata.get("num_classes") or 0)
+    classes = classifier.class_names(k, info) if k >= 2 and getattr(outputs, "ndim", 0) == 2 and outputs.shape[1] == k else None
+    pyfunc_output = outputs
+    if classes is not None:
+        pyfunc_output = classifier.table(outputs, classes)  # the signature describes what pyfunc answers
+        metadata = {**metadata, "pyfunc_output": "class, class_index, probability, score_<class> per class"}
     meta = json.loads(json.dumps({**metadata, "data_info": info, "serialization": "pt2"}, default=str))
     with tempfile.TemporaryDirectory() as d:
         info_file = Path(d) / "data_info.json"
@@ -126,12 +144,12 @@ def log_exported(uri: str, experiment_id: str, run_id: str, pt2_file: str, examp
         logged = Model.log(
             artifact_path=None,
             name=artifact,
-            flavor=_Flavor(pt2_file, torch_version),
+            flavor=_Flavor(pt2_file, torch_version, classes),
             registered_model_name=register,
             metadata=meta,
             run_id=run_id,
             step=step,
-            signature=infer_signature(example, outputs),
+            signature=infer_signature(example, pyfunc_output),
             input_example=example,
             pip_requirements=requirements(torch_version, distributions),
             extra_files=[str(info_file)],

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import getpass
 import os
+import re
 import secrets
 import subprocess
 from pathlib import Path
 from typing import Any
 
 EXPERIMENT_KIND = "custom_model_development"
-# mpsrun's own bookkeeping metrics go under this prefix: the UI groups metrics by the
-# part before "/", so they sit in a section apart from the losses.
-PREFIX = "mpsrun/"
+# mpsrun's own bookkeeping (what logging, figures, the model and checkpoints cost, the best
+# epoch) is one JSON artifact, not metrics: MLflow's UI draws a chart per metric and puts
+# every "prefix/" section before the unprefixed "Model metrics" one, so bookkeeping metrics
+# (they were `mpsrun/...`) opened a run's charts ahead of its losses.
+TIMINGS_FILE = "mpsrun_timings.json"
 
 
 def mark_experiment(c: Any, experiment_id: str) -> None:
@@ -35,22 +38,50 @@ def run_name(model: str, dataset: str, device: str) -> str:
     return "-".join(clean + [secrets.token_hex(2)])
 
 
-def _git_commit(folder: Path) -> str | None:
-    """HEAD of the git checkout holding `folder`, or None outside one (or without git)."""
+def _git(folder: Path, *args: str) -> str | None:
+    """`git -C folder ARGS`'s output, or None outside a checkout (or without git)."""
     try:
-        p = subprocess.run(
-            ["git", "-C", str(folder), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
-        )
+        p = subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
-    sha = p.stdout.strip()
-    return sha if p.returncode == 0 and len(sha) == 40 else None
+    return p.stdout.strip() if p.returncode == 0 else None
+
+
+def _git_commit(folder: Path) -> str | None:
+    """HEAD of the git checkout holding `folder`, or None outside one (or without git)."""
+    sha = _git(folder, "rev-parse", "HEAD")
+    return sha if sha and len(sha) == 40 else None
+
+
+def _without_credentials(url: str) -> str:
+    """https://user:token@host/x.git -> https://host/x.git (as MLflow strips them from its own tag)."""
+    return re.sub(r"^([a-z+]+://)[^/@]+@", r"\1", url)
+
+
+def git_tags(path: Path) -> dict[str, str]:
+    """The git state of the checkout holding `path` (a recipe): commit, branch, remote, and whether
+    the file differs from that commit (`mpsrun.source.git.dirty`); {} outside a checkout."""
+    sha = _git_commit(path.parent)
+    if not sha:
+        return {}
+    tags = {"mlflow.source.git.commit": sha}
+    branch = _git(path.parent, "rev-parse", "--abbrev-ref", "HEAD")
+    if branch and branch != "HEAD":
+        tags["mlflow.source.git.branch"] = branch
+    url = _git(path.parent, "config", "--get", "remote.origin.url")
+    if url:
+        tags["mlflow.source.git.repoURL"] = _without_credentials(url)
+    status = _git(path.parent, "status", "--porcelain", "--", path.name)
+    if status is not None:
+        tags["mpsrun.source.git.dirty"] = "true" if status else "false"
+    return tags
 
 
 def source_tags(recipe_path: Path | str | None) -> dict[str, str]:
-    """`mlflow.user`, `mlflow.source.name/type` and, in a git checkout, `mlflow.source.git.commit`.
+    """`mlflow.user`, `mlflow.source.name/type` and, in a git checkout, the recipe's git state.
 
-    The source is the recipe (what a person would rerun), not the mpsrun script.
+    The source is the recipe (what a person would rerun), not the mpsrun script, and the git
+    state is the recipe's checkout's, not mpsrun's.
     """
     try:
         user = getpass.getuser()
@@ -60,10 +91,30 @@ def source_tags(recipe_path: Path | str | None) -> dict[str, str]:
     if recipe_path is not None:
         path = Path(recipe_path).resolve()
         tags["mlflow.source.name"] = str(path)
-        sha = _git_commit(path.parent)
-        if sha:
-            tags["mlflow.source.git.commit"] = sha
+        tags.update(git_tags(path))
     return tags
+
+
+SOURCE_KEYS = ("mlflow.user", "mlflow.source.")  # a run's tags that say where it came from (prefixes)
+
+
+def model_source(c: Any, run_id: str, model_id: str | None) -> None:
+    """Give the run's logged model the run's source tags.
+
+    MLflow tags a LoggedModel from the process that logs it: `mlflow.source.name` would be
+    mpsrun's MLflow helper module ("Logged from: process.py" in the UI) and the git tags
+    mpsrun's own checkout. The model's source is the run's: the recipe and its git state.
+    """
+    if not model_id:
+        return
+    run_tags = c.get_run(run_id).data.tags
+    mine = {k: v for k, v in run_tags.items() if k.startswith(SOURCE_KEYS) or k == "mpsrun.source.git.dirty"}
+    model = c.get_logged_model(model_id)
+    for k in model.tags:
+        if k.startswith("mlflow.source.git.") and k not in mine:  # the logging process's checkout, not the recipe's
+            c.delete_logged_model_tag(model_id, k)
+    if mine:
+        c.set_logged_model_tags(model_id, mine)
 
 
 def note(model: str, dataset: str, device: str, epochs: int, summary: dict[str, float], stop_reason: str | None = None) -> str:
@@ -87,6 +138,8 @@ def note(model: str, dataset: str, device: str, epochs: int, summary: dict[str, 
     return ", ".join(parts) + "."
 
 
-def bookkeeping(metrics: dict[str, float]) -> dict[str, float]:
-    """mpsrun's own figures under the `mpsrun/` prefix (user-facing metric names stay as they are)."""
-    return {k if k.startswith(PREFIX) else PREFIX + k: v for k, v in metrics.items()}
+def bookkeeping(values: dict[str, Any]) -> str:
+    """mpsrun's own figures as the text of `TIMINGS_FILE` (sorted keys, seconds unrounded)."""
+    import json
+
+    return json.dumps(values, indent=2, sort_keys=True, default=str) + "\n"

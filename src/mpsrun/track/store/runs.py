@@ -19,7 +19,9 @@ from mpsrun.track.store import liveness
 from mpsrun.track.store.client import client
 
 CHECKPOINTS = "checkpoints"
-EPOCHS_DONE = "mpsrun/epochs_done"
+EPOCHS_DONE_TAG = "mpsrun.epochs_done"  # set at each epoch's end, with its metrics
+EPOCHS_DONE = "mpsrun/epochs_done"  # the metric runs before it carried
+BEST_TAGS = ("mpsrun.best.monitor", "mpsrun.best.value", "mpsrun.best.epoch")  # set at the end of training
 PLANNED = "mpsrun.epochs_planned"
 
 
@@ -61,6 +63,20 @@ def _int(v: Any) -> int | None:
         return None
 
 
+def _best(tags: dict[str, str], metrics: dict[str, float]) -> str:
+    """"val_loss 0.2413 (epoch 2)": the monitored metric's best (tags; older runs: `mpsrun/best_*` metrics), else the last val_loss."""
+    monitor, value, epoch = (tags.get(k) for k in BEST_TAGS)
+    if monitor and value:
+        return f"{monitor} {float(value):.4g}" + (f" (epoch {epoch})" if epoch else "")
+    old = next((k for k in metrics if k.startswith("mpsrun/best_") and k != "mpsrun/best_epoch"), None)
+    if old is not None:
+        return f"{old.removeprefix('mpsrun/best_')} {metrics[old]:.4g}" + (
+            f" (epoch {int(metrics['mpsrun/best_epoch'])})" if "mpsrun/best_epoch" in metrics else "")
+    if "val_loss" in metrics:
+        return f"val_loss {metrics['val_loss']:.4g} (last)"
+    return ""
+
+
 def row(run: Any, experiment: str) -> RunRow:
     tags, metrics, params = run.data.tags, run.data.metrics, run.data.params
     status = run.info.status
@@ -70,15 +86,7 @@ def row(run: Any, experiment: str) -> RunRow:
         why = v.reason
         if v.gone:
             shown = "INTERRUPTED"
-    monitor = next((k for k in metrics if k.startswith("mpsrun/best_") and k != "mpsrun/best_epoch"), None)
-    if monitor is not None:
-        best = f"{monitor.removeprefix('mpsrun/best_')} {metrics[monitor]:.4g}"
-        if "mpsrun/best_epoch" in metrics:
-            best += f" (epoch {int(metrics['mpsrun/best_epoch'])})"
-    elif "val_loss" in metrics:
-        best = f"val_loss {metrics['val_loss']:.4g} (last)"
-    else:
-        best = ""
+    best = _best(tags, metrics)
     has_ckpt = "mpsrun.checkpoint.epoch" in tags
     return RunRow(
         run_id=run.info.run_id,
@@ -87,7 +95,7 @@ def row(run: Any, experiment: str) -> RunRow:
         status=status,
         shown=shown,
         device=tags.get("device.actual", ""),
-        epochs_done=_int(metrics.get(EPOCHS_DONE)),
+        epochs_done=_int(tags.get(EPOCHS_DONE_TAG, metrics.get(EPOCHS_DONE))),
         epochs_planned=_int(tags.get(PLANNED, params.get("epochs"))),
         best=best,
         start_time=run.info.start_time,
@@ -130,6 +138,18 @@ def _local_dir(artifact_uri: str) -> Path | None:
     return None
 
 
+def whole(path: Path) -> bool:
+    """Whether a checkpoint file is complete: `torch.save` writes a zip archive, whose directory is at its
+    very end, so a truncated file has none (read without torch, in a moment)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            return bool(z.namelist())
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
+
+
 class RunFiles:
     """A run's checkpoint files in its artifacts: atomic puts, deletes where the store allows, downloads."""
 
@@ -155,6 +175,9 @@ class RunFiles:
             folder.mkdir(parents=True, exist_ok=True)
             tmp = folder / f".{name}.{os.getpid()}.part"
             shutil.copyfile(path, tmp)
+            if tmp.stat().st_size != path.stat().st_size or not whole(tmp):  # verified before it replaces the old one
+                tmp.unlink(missing_ok=True)
+                raise OSError(f"the copy of {name} into {folder} is not whole; the previous {name} stays")
             os.replace(tmp, folder / name)
         else:
             if path.name != name:
@@ -163,6 +186,16 @@ class RunFiles:
                 self._log_artifact(str(path), CHECKPOINTS)
             else:
                 self.c.log_artifact(self.run_id, str(path), CHECKPOINTS)
+
+    def rotate(self, name: str, keep_as: str) -> bool:
+        """Before a new `name` is put: keep the current one as `keep_as`, if it is whole (a local store:
+        a rename). False where the store cannot rename; the caller uploads its own copy instead."""
+        if self.local is None:
+            return False
+        current = self.local / CHECKPOINTS / name
+        if current.is_file() and whole(current):  # a damaged one never replaces a good `keep_as`
+            os.replace(current, self.local / CHECKPOINTS / keep_as)
+        return True
 
     def remove(self, name: str) -> bool:
         if self.local is None:
