@@ -115,6 +115,8 @@ def test_sigkill_mid_epoch_shows_interrupted_and_resumes_exactly(work: Any) -> N
     run = work.client().get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.tags["mpsrun.resumed"] == "1"
+    assert "took over run" in " ".join(resumed.stdout.split())  # the killed owner never let go: taken over, said and tagged
+    assert f"pid {proc.pid} on host" in run.data.tags["mpsrun.owner.takeover.1"] and "has exited" in run.data.tags["mpsrun.owner.takeover.1"]
     got = val_losses(work, run_id)
     assert [s for s, _ in got] == [0, 1, 2], "each epoch logged exactly once: no duplicated or missing steps"
     for (_, a), (_, b) in zip(got, expected):
@@ -129,7 +131,7 @@ def test_checkpoint_contents_best_apart_from_last_and_model_from_best(work: Any)
     assert r.exit_code == 0, r.output
     (run,) = work.runs("quick")
     art = Path(run.info.artifact_uri.removeprefix("file://")) / "checkpoints"
-    assert sorted(p.name for p in art.iterdir()) == ["best.pt", "last.pt"]  # no temporary files left behind
+    assert sorted(p.name for p in art.iterdir()) == ["best.pt", "last.pt", "prev.pt"]  # no temporary files left behind
     last = torch.load(art / "last.pt", weights_only=False)
     best = torch.load(art / "best.pt", weights_only=False)
     assert last["epoch"] == 2 and len(last["history"]) == 3
@@ -156,7 +158,7 @@ def test_checkpoint_contents_best_apart_from_last_and_model_from_best(work: Any)
     run2 = work.runs("quick")[-1]
     assert run2.data.tags["mpsrun.model_from"] == "last: epoch 2"
     art2 = Path(run2.info.artifact_uri.removeprefix("file://")) / "checkpoints"
-    assert sorted(p.name for p in art2.iterdir()) == ["best.pt", "epoch-0001.pt", "epoch-0002.pt", "last.pt"]
+    assert sorted(p.name for p in art2.iterdir()) == ["best.pt", "epoch-0001.pt", "epoch-0002.pt", "last.pt", "prev.pt"]
 
 
 def test_checkpoint_every_zero_is_off_and_resume_refuses(work: Any) -> None:

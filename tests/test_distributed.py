@@ -339,3 +339,51 @@ def test_a_stopped_2_rank_job_resumes_on_2_ranks_on_the_same_trajectory(work, tm
     for (_, x), (_, y) in zip(a, b):
         assert abs(x - y) < 1e-4, (a, b)
     assert [s for s, _ in work.history(run_id, "train_loss")] == [0, 1, 2]
+
+
+def _graph_sync_rank(rank: int, init: str, out: str) -> None:
+    """One rank: the same seeded model trained 3 steps with DDP, and with graph_sync's flat all-reduce."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from mpsrun.train.ranks import graph_sync
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(3, 16, 8, generator=gen), torch.randint(0, 4, (3, 16), generator=gen)
+    mine = slice(8 * rank, 8 * (rank + 1))  # this rank's half of each global batch of 16
+    results = []
+    for kind in ("ddp", "graph_sync"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        if rank == 1:  # different start on rank 1: both paths must hand every rank rank 0's weights
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+        net = DDP(model) if kind == "ddp" else graph_sync.install(model, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for s in range(3):
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(net(x[s, mine]), y[s, mine]).backward()
+            graph_sync.sync_grads()  # a no-op under DDP (not installed yet / reset)
+            opt.step()
+        graph_sync.reset()
+        results.append([p.detach().clone() for p in model.parameters()])
+    torch.save(results, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_graph_sync_average_is_ddp_s_on_gloo_processes(tmp_path: Path) -> None:
+    """The all-reduce a captured step issues itself (train/ranks/graph_sync.py; captured only
+    under NCCL on CUDA, measured on the GPU machine) gives DDP's parameters, step by step, on
+    two real gloo processes, and rank 0's starting weights on both ranks."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "params")
+    mp.spawn(_graph_sync_rank, args=(f"file://{tmp_path / 'rdv'}", out), nprocs=2, join=True)
+    r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    for ddp, mine in zip(r0[0], r0[1]):
+        assert torch.allclose(ddp, mine, atol=1e-6)
+    for a, b in zip(r0[1], r1[1]):
+        assert torch.equal(a, b)

@@ -98,11 +98,33 @@ def test_model_sees_each_input_transformed_exactly_once(resident: str) -> None:
 
 
 def test_graph_groups_cover_every_step() -> None:
+    from mpsrun.train.loop.data import ResidentBatches
+
     g = engine.GraphTrainer.__new__(engine.GraphTrainer)
-    groups = g._groups(60000, 64)
-    assert sum(k * b for k, b in groups) == 60000
-    assert groups[0] == (engine.GRAPH_STEPS, 64) and groups[-1] == (1, 60000 % 64)
-    assert engine.GraphTrainer._groups(g, 128, 64) == [(1, 64), (1, 64)]
+    whole = ResidentBatches(torch.zeros(60000, 1), torch.zeros(60000, dtype=torch.long), 64, torch.device("cpu"), True, 0)
+    groups = g._groups(whole, 60000)
+    assert sum(k * b for k, b, _ in groups) == 60000
+    assert groups[0] == (engine.GRAPH_STEPS, 64, 1.0) and groups[-1] == (1, 60000 % 64, 1.0)
+    assert g._groups(whole, 128) == [(1, 64, 1.0), (1, 64, 1.0)]
+
+
+@pytest.mark.parametrize("n,batch", [(1000, 64), (1023, 64), (1022, 64), (4096, 256)])
+def test_graph_groups_of_data_parallel_ranks_match_their_shares(n: int, batch: int) -> None:
+    """Under graphs each rank replays its share's steps with their loss weights (the tail's
+    weight differs from 1 even when its size is a full share), and every rank replays the
+    same number of steps in graphs captured in the same order: each step is a collective."""
+    from mpsrun.train.loop.shards import ShardResidentBatches, StepWeight
+
+    g = engine.GraphTrainer.__new__(engine.GraphTrainer)
+    x, y = torch.zeros(n, 1), torch.zeros(n, dtype=torch.long)
+    per_rank = []
+    for rank in (0, 1):
+        share = ShardResidentBatches(x, y, batch, torch.device("cpu"), 0, 2, rank, StepWeight(1.0, 2))
+        groups = g._groups(share, share.n)
+        steps = [(b, w) for k, b, w in groups for _ in range(k)]
+        assert steps == list(zip(share.lay.steps, share.lay.weights))  # sizes and weights, step by step
+        per_rank.append([k for k, _, _ in sorted(set(groups), reverse=True)])
+    assert per_rank[0] == per_rank[1]
 
 
 def test_graphs_requested_on_cpu_is_said_not_silent() -> None:

@@ -24,7 +24,7 @@ from .proc_helpers import MPSRUN, alive, clean_env, descendants, free_port, port
 
 def _answers(port: int) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=15) as r:
             return r.status == 200
     except OSError:
         return False

@@ -119,6 +119,8 @@ def _resume(uri: str, run_id: str, overrides: list[str], tracking_uri: Optional[
         try:
             with interrupt.stop_on_signals():
                 summary = runner.execute(setup, tracking_uri, progress, resume=p.point, experiment=p.experiment)
+        except runner.OwnerConflict as e:  # another live process took the run first: it is named, the run untouched
+            raise bad_input(escape(str(e))) from None
         except KeyboardInterrupt as e:
             if isinstance(progress, BarProgress):
                 progress.stop()

@@ -25,6 +25,7 @@ from mpsrun.plugins.contract import DataSplits
 from mpsrun.recipe.load import Resolved, flatten
 from mpsrun.recipe.model import Recipe
 from mpsrun.track.store import client as tracking
+from mpsrun.track.store import owner
 from mpsrun.track.store.runs import EPOCHS_DONE_TAG
 from mpsrun.track.records.standard import TIMINGS_FILE, bookkeeping
 from mpsrun.train import assemble as controls
@@ -36,9 +37,10 @@ from mpsrun.train.controls import schedulers
 from mpsrun.train.loop import shards
 from mpsrun.train.controls.callbacks import Callback, Callbacks, RunState  # noqa: F401 - Callbacks: public here
 from mpsrun.train.keep.continuity import Continuity, ResumePoint
+from mpsrun.train.keep.shown import ShownAfterRecord
 from mpsrun.train.loop.data import BatchPlan, plan_batches
 from mpsrun.train.loop.engine import Listener, Listeners, Options, TrainResult, train
-from mpsrun.train.setup import InputError, RunFailed, Setup  # noqa: F401 - public here: callers catch runner.InputError
+from mpsrun.train.setup import InputError, OwnerConflict, RunFailed, Setup  # noqa: F401 - public here: callers catch runner.InputError
 
 
 @dataclass
@@ -201,7 +203,7 @@ def prepare(resolved: Resolved) -> Setup:
     model = model.to(device)
     if options.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    model = distributed.wrap(model, device)  # DDP when one of several ranks
+    model = distributed.wrap(model, device, options.graphs)  # DDP (or graph_sync under graphs) when one of several ranks
     optimizer = build_optimizer(recipe, model, options.graphs)
     try:
         ctl = controls.build(recipe, splits, model, optimizer, plan, options, device)
@@ -266,22 +268,29 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
     if tracker is None:
         uri, artifact_root = tracking.resolve_uri(tracking_uri)
         tracker = job_run.tracker(uri, experiment or experiment_name(setup.resolved), artifact_root)  # rank 0 alone writes
-    info, all_tags = _open_run(setup, tracker, parent_run_id, tags, resume)
+    try:
+        info, all_tags, generation = _open_run(setup, tracker, parent_run_id, tags, resume)
+    except OwnerConflict:  # another live process owns the run: nothing written, nothing to mark
+        getattr(tracker, "close", lambda wait=True: None)(wait=False)
+        raise
     rec = record.open_for(tracker, setup)  # experiment kind, standard tags, datasets, system metrics
-    listeners = _listeners(setup, tracker, listener, resume, rec)
+    shown = ShownAfterRecord(listener)  # an epoch's line is printed once its metrics and checkpoint are handed over
+    listeners = _listeners(setup, tracker, shown, resume, rec)
     keep = Continuity(setup, tracker, all_tags, listeners.on_note, resume)  # liveness, non-finite guard, checkpoints
+    keep.claim = generation  # let go of when the run ends, whatever the outcome
     listeners.items.append(keep.guard.listener)
     state = RunState(setup.model, setup.optimizer, setup.choice.device, recipe.epochs, log=tracker)
     state.extras.update(setup.extras)  # the LR scheduler: checkpoints save and restore it
     try:
         canary.guard(setup, tracker.set_tags, listeners.on_note)  # wrong-answer ops stop the run here
         result = train(setup.model, setup.optimizer, setup.plan, setup.choice.device, recipe.epochs, setup.options, listeners,
-                       callbacks=keep.callbacks([*setup.callbacks, *record.callbacks(rec)]), state=state,
+                       callbacks=Callbacks(keep.callbacks([*setup.callbacks, *record.callbacks(rec)]), shown.as_callback()), state=state,
                        start_epoch=keep.start_epoch, objective=setup.objective)
         keep.after_fit(state, setup.model)  # model_from: best puts the best weights back before they are logged
         test_metrics = _test(setup, tracker)  # after that: on the weights that are logged
         _close_records(setup, tracker, rec, result, listeners, keep.bookkeeping)
     except KeyboardInterrupt as e:
+        shown.drop_held()  # stopped before the epoch's records were handed over: its line is not shown
         record.stop(rec)
         keep.interrupted(e, state.epoch)
         keep.close()
@@ -292,6 +301,7 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
         tracker.finish("KILLED")
         raise
     except Exception as e:
+        shown.show_held()  # the epoch that failed (a non-finite loss) is shown before the failure is said
         e = distributed.on_failure(e, tracker)  # names the rank that brought a job down
         record.stop(rec)
         keep.close()
@@ -303,16 +313,33 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
     return RunSummary(info, result, setup, tracker.log_time_s, model_uri, test_metrics)
 
 
-def _open_run(setup: Setup, tracker: Any, parent_run_id: str | None, tags: dict[str, str] | None, resume: ResumePoint | None) -> tuple[tracking.RunInfo, dict[str, str]]:
-    """Start the run (or attach to the one a resume continues) with its tags, params and recipe text."""
+def _open_run(setup: Setup, tracker: Any, parent_run_id: str | None, tags: dict[str, str] | None, resume: ResumePoint | None) -> tuple[tracking.RunInfo, dict[str, str], int | None]:
+    """Claim the run (track/store/owner.py), start it (or attach to the one a resume continues) with its
+    tags, params and recipe text. Returns the run, its tags and this process's owner claim (None: not rank 0).
+
+    A resume claims the run before writing anything to it: another live owner raises OwnerConflict.
+    """
     r = setup.resolved
     job_tags, rank_facts = job_run.job_tags(setup.choice.device, devices.choice_tags(setup.choice))
     all_tags = {**run_tags(setup), **job_tags, **(tags or {})}
+    main = distributed.is_main_process()
+    generation: int | None = None
     if resume is None:
-        info = tracker.start(r.recipe.tracking.run_name or record.default_run_name(setup), all_tags, parent_run_id)
-        tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": setup.plan.train.samples, "data.val_size": setup.plan.val.samples})
+        claim = owner.me(0)  # a new run: claim 0 goes in with its params
+        info = tracker.start(r.recipe.tracking.run_name or record.default_run_name(setup), {**all_tags, **owner.tags_for(0, claim.who(), None)}, parent_run_id)
+        tracker.log_params({**flatten(r.as_dict()), **setup.options.as_params(), "data.train_size": setup.plan.train.samples, "data.val_size": setup.plan.val.samples,
+                            **({claim.key: claim.value()} if main else {})})
+        generation = 0 if main else None
     else:  # the same run goes on; its params stay as first logged (MLflow params are immutable)
+        got = tracker.claim_owner(resume.run_id, resume.owner_base, owner.me()) if main else None
+        if got is not None and not got["ok"]:
+            raise OwnerConflict(got["message"])
         info = tracker.attach(resume.run_id)
+        if got is not None:
+            generation = int(got["generation"])
+            tracker.set_tags(owner.tags_for(generation, got["owner"], got["took_over"]))
+            if got["took_over"]:
+                setup.notes.append(got["took_over"])  # said on screen with the other notes
         if job_tags:  # the ranks that train now (pids, devices; the world size: see Continuity)
             tracker.set_tags(job_tags)
     job_run.publish_run_id(info.run_id)
@@ -321,7 +348,7 @@ def _open_run(setup: Setup, tracker: Any, parent_run_id: str | None, tags: dict[
         tracker.log_text(json.dumps(rank_facts, indent=2), "distributed_ranks.json")
     if setup.splits.info:  # e.g. tabular's category vocabularies: needed to use the weights later
         tracker.log_text(json.dumps(setup.splits.info, indent=2, default=str), "data_info.json")
-    return info, all_tags
+    return info, all_tags, generation
 
 
 def _listeners(setup: Setup, tracker: Any, listener: Listener | None, resume: ResumePoint | None, rec: record.Recorder) -> Listeners:

@@ -24,6 +24,10 @@ class InputError(Exception):
     """Bad input discovered while setting up (device, data files): exit code 2, nothing logged."""
 
 
+class OwnerConflict(InputError):
+    """Another live process owns the run (track/store/owner.py): exit code 2, the run untouched."""
+
+
 class RunFailed(Exception):
     """Training failed after the MLflow run started; the run is marked FAILED."""
 

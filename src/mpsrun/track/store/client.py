@@ -185,6 +185,15 @@ class Tracker:
         self._thread.start()
         return RunInfo(run_id, self.experiment_id, self.experiment, self.uri)
 
+    def claim_owner(self, run_id: str, base: int | None, mine: Any) -> dict[str, Any]:
+        """Claim `run_id` for the training process `mine` (an `owner.Claim`), before attaching to it.
+
+        Straight to the store, never spooled: the answer decides whether this process may train.
+        """
+        from mpsrun.track.store import owner
+
+        return owner.try_claim(self.c, run_id, base, mine)
+
     def finish(self, status: str, error: BaseException | None = None) -> None:
         """Record the outcome: FINISHED, FAILED (with the error) or KILLED."""
         if error is None:

@@ -138,6 +138,18 @@ def _local_dir(artifact_uri: str) -> Path | None:
     return None
 
 
+def whole(path: Path) -> bool:
+    """Whether a checkpoint file is complete: `torch.save` writes a zip archive, whose directory is at its
+    very end, so a truncated file has none (read without torch, in a moment)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            return bool(z.namelist())
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
+
+
 class RunFiles:
     """A run's checkpoint files in its artifacts: atomic puts, deletes where the store allows, downloads."""
 
@@ -163,6 +175,9 @@ class RunFiles:
             folder.mkdir(parents=True, exist_ok=True)
             tmp = folder / f".{name}.{os.getpid()}.part"
             shutil.copyfile(path, tmp)
+            if tmp.stat().st_size != path.stat().st_size or not whole(tmp):  # verified before it replaces the old one
+                tmp.unlink(missing_ok=True)
+                raise OSError(f"the copy of {name} into {folder} is not whole; the previous {name} stays")
             os.replace(tmp, folder / name)
         else:
             if path.name != name:
@@ -171,6 +186,16 @@ class RunFiles:
                 self._log_artifact(str(path), CHECKPOINTS)
             else:
                 self.c.log_artifact(self.run_id, str(path), CHECKPOINTS)
+
+    def rotate(self, name: str, keep_as: str) -> bool:
+        """Before a new `name` is put: keep the current one as `keep_as`, if it is whole (a local store:
+        a rename). False where the store cannot rename; the caller uploads its own copy instead."""
+        if self.local is None:
+            return False
+        current = self.local / CHECKPOINTS / name
+        if current.is_file() and whole(current):  # a damaged one never replaces a good `keep_as`
+            os.replace(current, self.local / CHECKPOINTS / keep_as)
+        return True
 
     def remove(self, name: str) -> bool:
         if self.local is None:

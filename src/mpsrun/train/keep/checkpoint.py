@@ -39,14 +39,16 @@ import torch
 from torch import nn
 
 from mpsrun.recipe.model import CheckpointSection
+from mpsrun.track.store.runs import whole
 from mpsrun.train.ranks import distributed
 from mpsrun.train.controls.callbacks import Callback, RunState
 
 FORMAT = 1
-LAST, BEST = "last.pt", "best.pt"
+LAST, BEST, PREV = "last.pt", "best.pt", "prev.pt"  # prev: the last one before, kept until a new last is written and verified
 
 Upload = Callable[[Path, str], None]  # (local file, name inside the run's checkpoints/ folder)
 Remove = Callable[[str], bool]  # delete checkpoints/NAME from the run's artifacts; False where the store cannot
+Rotate = Callable[[str, str], bool]  # keep checkpoints/NAME as another name before a new one is put; False where the store cannot
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -104,6 +106,9 @@ def load(path: str | Path) -> dict[str, Any]:
 def _write_atomic(obj: dict[str, Any], target: Path) -> None:
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     torch.save(obj, tmp)
+    if not whole(tmp):  # verified before it replaces anything (a full disk leaves a short file)
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"{target.name} was not written whole")
     os.replace(tmp, target)
 
 
@@ -133,6 +138,7 @@ class Checkpointer(Callback):
     seed: int
     upload: Upload | None = None
     remove: Remove | None = None
+    rotate: Rotate | None = None  # last.pt -> prev.pt in the store before a new last.pt goes up
     sync: Callable[[], Any] | None = None  # the tracker's: buffered metrics written before an upload
     note: Callable[[str], None] = lambda m: None
     meta: dict[str, str] = field(default_factory=dict)  # mpsrun version, plugins: compared on resume
@@ -140,6 +146,7 @@ class Checkpointer(Callback):
     best_file: Path | None = None  # the best checkpoint of a resumed run, when it was not this session's
     siblings: Callable[[], Callback] | None = None  # the Callbacks holding every callback's state
     hyper: dict[str, Any] = field(default_factory=dict)  # optimizer settings overridden on resume: win over the saved ones
+    logged: frozenset[int] = frozenset()  # epochs trained again on resume whose metrics are in the run already: not logged twice
     ranks_rng: bool = True  # DDP: gather every rank's random state at epoch ends (False: the job writes no checkpoints)
     directory: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mpsrun-ckpt-")))
     best: float | None = None
@@ -282,12 +289,17 @@ class Checkpointer(Callback):
     def _write(self, job: _Job) -> None:
         t = time.perf_counter()
         first = self.directory / job.names[0]
+        prev = LAST in job.names and (self.directory / LAST).is_file()
+        if prev:  # this session's previous last.pt, verified when written: kept until the new one is up
+            os.replace(self.directory / LAST, self.directory / PREV)
         _write_atomic(job.state, first)
         for name in job.names[1:]:
             _copy_atomic(first, self.directory / name)
         if self.sync is not None:
             self.sync()  # this epoch's metrics are durable before its checkpoint is
         if self.upload is not None:
+            if LAST in job.names and not (self.rotate is not None and self.rotate(LAST, PREV)) and prev:
+                self.upload(self.directory / PREV, PREV)  # a store that cannot rename: this session's copy goes up first
             for name in job.names:
                 self.upload(self.directory / name, name)
         if LAST in job.names:

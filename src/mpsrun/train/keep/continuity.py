@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from mpsrun.track.store import liveness
+from mpsrun.track.store import liveness, owner
 from mpsrun.track.store.runs import PLANNED, RunFiles
 from mpsrun.train.ranks import distributed
 from mpsrun.train.controls.callbacks import Callback, Callbacks, RunState
@@ -32,6 +32,8 @@ class ResumePoint:
     overrides: list[str] = field(default_factory=list)
     world_size: int = 1  # the ranks the run trained on before (its `distributed.world_size` tag)
     landed: frozenset[int] = frozenset()  # epochs past the checkpoint whose metrics reached the store before the stop
+    owner_base: int | None = None  # the newest owner claim on the run when it was planned (track/store/owner.py)
+    source: str = ""  # which checkpoint file it continues from, and why that one (said on screen and tagged)
 
     @property
     def start_epoch(self) -> int:
@@ -59,12 +61,14 @@ class Continuity:
             recipe.seed,
             upload=files.put if files else None,
             remove=files.remove if files else None,
+            rotate=files.rotate if files else None,
             sync=tracker.sync,
             note=note,
             meta=self.meta,
             restore=resume.checkpoint if resume else None,
             best_file=resume.best_file if resume else None,
             hyper=self._hyper(resume),
+            logged=resume.landed if resume else frozenset(),
             ranks_rng=recipe.checkpoint.every > 0,  # rank 0 checkpoints: every rank hands it its random state
         )
         start = {**liveness.identity(), PLANNED: str(recipe.epochs), "mpsrun.recipe_dir": str(setup.resolved.path.resolve().parent)}
@@ -74,6 +78,7 @@ class Continuity:
             start.update(self._resume_tags(resume))
         tracker.set_tags(start)
         self.heartbeat = liveness.Heartbeat(_Tags(tracker), tracker.run_id).start() if main else None
+        self.claim: int | None = None  # this process's owner claim on the run (track/store/owner.py), let go of at close
 
     def _hyper(self, resume: ResumePoint | None) -> dict[str, Any]:
         """Optimizer arguments given as overrides to `mpsrun resume`, with their validated values."""
@@ -90,6 +95,9 @@ class Continuity:
             f"at {time.strftime('%Y-%m-%d %H:%M:%S')}; overrides: {' '.join(resume.overrides) or 'none'}"
             + (f"; world size {resume.world_size} -> {distributed.world_size()}" if resume.world_size != distributed.world_size() else ""),
         }
+        tags[f"mpsrun.resume.{n}.checkpoint"] = resume.source or "checkpoints/last.pt"
+        if resume.source:  # a fallback is said, never silent
+            self.note(f"resume: {resume.source}")
         if resume.world_size != distributed.world_size():  # the job's tags say what trains now
             tags["distributed.world_size"] = str(distributed.world_size())
         old = resume.checkpoint.get("meta", {})
@@ -142,12 +150,16 @@ class Continuity:
         name = getattr(e, "name", "SIGINT")
         last = self.checkpointer.last_epoch
         where = f"last checkpoint: epoch {last}" if last is not None else "no checkpoint yet"
-        self.tracker.set_tags({"mpsrun.interrupted": f"{name} during epoch {epoch} (0-based); {where}"})
+        when = f"after epoch {epoch} (0-based) ended" if last == epoch else f"during epoch {epoch} (0-based)"  # between two epochs
+        self.tracker.set_tags({"mpsrun.interrupted": f"{name} {when}; {where}"})
 
     def close(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
         self.checkpointer.close()
+        if self.claim is not None:  # before the run's status is set: the next owner waits for both
+            self.tracker.set_tags({owner.RELEASED: str(self.claim)})
+            self.claim = None
 
 
 class _Tags:

@@ -19,10 +19,11 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from mpsrun.recipe.load import Resolved
-from mpsrun.track.store import liveness
-from mpsrun.track.store.runs import RunFiles, experiment_names, get_run
+from mpsrun.track.store import liveness, owner
+from mpsrun.track.store.runs import CHECKPOINTS, RunFiles, experiment_names, get_run
 from mpsrun.train.keep import checkpoint as ckpt
 from mpsrun.train.keep.continuity import ResumePoint
 
@@ -60,9 +61,14 @@ def plan(uri: str, run_id: str, overrides: list[str], checkpoint: bool = True, f
         raise ResumeRefused(f"no run '{run_id}' in the tracking store {uri}{hint}")
     status = run.info.status
     tags = run.data.tags
+    top = owner.latest(run.data.params)  # one owner per run: a live one is named and left alone
+    if top is not None and checkpoint:
+        v = owner.verdict(top, tags, status)
+        if v.state == "alive":
+            raise ResumeRefused(owner.owned_by(run_id, top, v))
     if status == "RUNNING" and checkpoint:
         v = liveness.check(tags)
-        if not v.gone:
+        if top is None and not v.gone:  # a run from before owner claims
             raise ResumeRefused(
                 f"run {run_id} is still running ({v.reason}); stop it first (Ctrl-C or SIGTERM checkpoints it), "
                 "or wait for it to finish"
@@ -85,14 +91,7 @@ def plan(uri: str, run_id: str, overrides: list[str], checkpoint: bool = True, f
         resolved = resolve(recipe_file, overrides)
         _place(resolved, tags)
         return Plan(resolved, ResumePoint(run_id, {}, None, list(overrides), world), exp, status, work, world)
-    last = fetch("checkpoints/last.pt")
-    if last is None:
-        why = tags.get("mpsrun.checkpoint", "it stopped before its first checkpoint was written")
-        raise ResumeRefused(f"run {run_id} has no checkpoint to resume from (checkpoints/last.pt): {why}")
-    try:
-        state = ckpt.load(last)
-    except ValueError as e:
-        raise ResumeRefused(str(e)) from None
+    state, best, source = _newest_readable(run_id, files.names(), fetch, tags)
     resolved = resolve(recipe_file, overrides)
     _place(resolved, tags)
     done = int(state["epoch"]) + 1
@@ -105,10 +104,52 @@ def plan(uri: str, run_id: str, overrides: list[str], checkpoint: bool = True, f
         raise ResumeRefused(f"epochs={epochs} is not more than the {done} epochs already trained")
     if status == "FINISHED" and not any(o.startswith("epochs=") for o in overrides):
         raise ResumeRefused(f"run {run_id} is FINISHED; pass epochs=N with N > {done} to train more")
-    best = fetch("checkpoints/best.pt")
-    same_path = status in ("INTERRUPTED", "KILLED") and all(o.startswith("epochs=") for o in overrides)
+    same_path = status in ("INTERRUPTED", "KILLED", "FINISHED") and all(o.startswith("epochs=") for o in overrides)
     landed = _landed_after(files, run_id, done) if same_path else frozenset()
-    return Plan(resolved, ResumePoint(run_id, state, best, list(overrides), world, landed), exp, status, work, world)
+    point = ResumePoint(run_id, state, best, list(overrides), world, landed, top.generation if top is not None else -1, source)
+    return Plan(resolved, point, exp, status, work, world)
+
+
+def _newest_readable(run_id: str, names: list[str], fetch: Callable[[str], Path | None], tags: dict[str, str]) -> tuple[dict[str, Any], Path | None, str]:
+    """The checkpoint to go on from, the best file, and what to say when it is not `last.pt`.
+
+    `last.pt` when it reads; else the newest readable of the others (`prev.pt`, the last
+    `last.pt` before it, kept until a new one is written and verified; the per-epoch files;
+    `best.pt`), by the epoch inside. Refused only when none reads.
+    """
+    def read(name: str) -> tuple[dict[str, Any] | None, Path | None, str]:
+        path = fetch(f"{CHECKPOINTS}/{name}") if name in names else None
+        if path is None:
+            return None, None, "missing"
+        try:
+            return ckpt.load(path), path, ""
+        except ValueError as e:
+            return None, path, str(e).replace(str(path), f"{CHECKPOINTS}/{name}")
+    best_state, best_path, best_why = read(ckpt.BEST)
+    state, _, why = read(ckpt.LAST)
+    if state is not None:
+        return state, best_path if best_state is not None else None, ""
+    tried = {ckpt.LAST: why, ckpt.BEST: best_why}
+    found: list[tuple[int, int, str, dict[str, Any]]] = []  # (epoch, preference, name, state)
+    if best_state is not None:
+        found.append((int(best_state["epoch"]), 0, ckpt.BEST, best_state))
+    others = [ckpt.PREV] + sorted((n for n in names if n.startswith("epoch-") and n.endswith(".pt")), reverse=True)
+    for i, name in enumerate(others):
+        got, _, why_other = read(name)
+        tried[name] = why_other
+        if got is not None:
+            found.append((int(got["epoch"]), len(others) - i, name, got))
+    if not found:
+        if not names or all(w == "missing" for w in tried.values()):
+            why = tags.get("mpsrun.checkpoint", "it stopped before its first checkpoint was written")
+            raise ResumeRefused(f"run {run_id} has no checkpoint to resume from (checkpoints/last.pt): {why}")
+        listed = "; ".join(f"{n}: {w}" for n, w in tried.items() if w != "missing")
+        raise ResumeRefused(f"run {run_id} has no readable checkpoint ({listed})")
+    epoch, _, name, state = max(found, key=lambda f: (f[0], f[1]))
+    lost = f"{CHECKPOINTS}/{ckpt.LAST} is missing" if why == "missing" else why
+    source = (f"{lost}; going on from {CHECKPOINTS}/{name}, the newest readable checkpoint (epoch {epoch + 1}, "
+              f"MLflow step {epoch}); the epochs after it are trained again along the same trajectory")
+    return state, best_path if best_state is not None else None, source
 
 
 def _landed_after(files: RunFiles, run_id: str, done: int) -> frozenset[int]:

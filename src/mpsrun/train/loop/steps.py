@@ -7,6 +7,7 @@ the speed lives, can grow (losses, clipping, accumulation) in a room of its own.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -14,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from mpsrun.train.ranks import distributed
+from mpsrun.train.ranks import distributed, graph_sync
 from mpsrun.train.loop.data import BatchPlan, ResidentBatches
 from mpsrun.train.loop.events import Listener
 from mpsrun.train.loop.objective import Objective, micro_batches
@@ -94,6 +95,7 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.scale(scaled).backward()
             if last:
+                graph_sync.sync_grads()  # data parallel under graphs: the ranks' average (a no-op otherwise)
                 self.scaler.unscale_(self.optimizer)  # clip true gradients, not scaled ones
                 self.objective.clip(self.model)
                 self.scaler.step(self.optimizer)
@@ -101,6 +103,7 @@ class Trainer:
         else:
             scaled.backward()
             if last:
+                graph_sync.sync_grads()
                 self.objective.clip(self.model)
                 self.optimizer.step()
         if last:
@@ -137,6 +140,7 @@ class Trainer:
     @torch.no_grad()
     def val_epoch(self, plan: BatchPlan) -> None:
         self.model.eval()
+        graph_sync.sync_buffers(self.model)  # rank 0's running statistics, as DDP would evaluate with
         for x, y in plan.val:
             self.val_step(x, y)
 
@@ -152,23 +156,23 @@ class GraphTrainer(Trainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self.graphs: dict[tuple[str, int, int, float], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = None
 
-    def _graph(self, kind: str, k: int, b: int, x: torch.Tensor, y: torch.Tensor) -> tuple:
-        key = (kind, k, b)
+    def _graph(self, kind: str, k: int, b: int, x: torch.Tensor, y: torch.Tensor, w: float = 1.0) -> tuple:
+        key = (kind, k, b, w)
         if key in self.graphs:
             return self.graphs[key]
         sx = x[: k * b].reshape(k, b, *x.shape[1:]).clone()
         sy = y[: k * b].reshape(k, b).clone()
-        step = self.train_step if kind == "train" else self.val_step
+        step = functools.partial(self.train_step, weight=w) if kind == "train" else self.val_step
         snapshot = snapshot_state(self.model, self.optimizer, self.accumulators())
         try:
             with torch.no_grad() if kind == "val" else contextlib.nullcontext():
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
-                    for _ in range(3):  # warm-up: lazy state (optimizer, cuBLAS) exists before capture
+                    for _ in range(3):  # warm-up: lazy state (optimizer, cuBLAS, NCCL's communicator) exists before capture
                         step(sx[0], sy[0], cache=False)
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 self.optimizer.zero_grad(set_to_none=True)
@@ -182,28 +186,39 @@ class GraphTrainer(Trainer):
         self.graphs[key] = (g, sx, sy)
         return self.graphs[key]
 
-    def _groups(self, n: int, b: int) -> list[tuple[int, int]]:
-        """(steps, batch size) per replay: full groups, then single steps, then the short batch."""
-        full = n // b
-        groups = [(GRAPH_STEPS, b)] * (full // GRAPH_STEPS) + [(1, b)] * (full % GRAPH_STEPS)
-        if n % b:
-            groups.append((1, n % b))
-        return groups
+    def _groups(self, batches: ResidentBatches, n: int) -> list[tuple[int, int, float]]:
+        """(steps, batch size, loss weight) per replay: full groups, then single steps, then the short batch.
+
+        A data-parallel rank's share (train/loop/shards.py) says its steps and their weights
+        itself: its last step may weigh other than 1 even at full size, and every rank must
+        replay the same number of steps (each holds an all-reduce).
+        """
+        b = batches.batch_size
+        lay = getattr(batches, "lay", None)
+        if lay is not None and n == batches.n:
+            full = sum(1 for s, w in zip(lay.steps, lay.weights) if s == b and w == 1.0)
+            tail = [(1, s, w) for s, w in zip(lay.steps[full:], lay.weights[full:])]
+        else:
+            full, tail = n // b, ([(1, n % b, 1.0)] if n % b else [])
+        return [(GRAPH_STEPS, b, 1.0)] * (full // GRAPH_STEPS) + [(1, b, 1.0)] * (full % GRAPH_STEPS) + tail
 
     def capture(self, plan: BatchPlan) -> None:
-        """Build every graph an epoch will replay, from the first batches (undone afterwards)."""
+        """Build every graph an epoch will replay, from the first batches (undone afterwards).
+
+        The same order on every rank of a job (sorted keys): warm-up and capture hold collectives.
+        """
         for kind, batches in (("train", plan.train), ("val", plan.val)):
             assert isinstance(batches, ResidentBatches)
             (self.model.train if kind == "train" else self.model.eval)()
-            for k, b in sorted(set(self._groups(batches.n, batches.batch_size)), reverse=True):
-                self._graph(kind, k, b, batches.x[: k * b], batches.y[: k * b])
+            for k, b, w in sorted(set(self._groups(batches, batches.n)), reverse=True):
+                self._graph(kind, k, b, batches.x[: k * b], batches.y[: k * b], w)
         self.model.train()
 
     def _replay(self, kind: str, batches: ResidentBatches, x: torch.Tensor, y: torch.Tensor, on_group: Callable[[int], None] | None) -> None:
         i = 0
-        for k, bs in self._groups(len(y), batches.batch_size):
+        for k, bs, w in self._groups(batches, len(y)):
             xs, ys = x[i : i + k * bs], y[i : i + k * bs]
-            g, sx, sy = self._graph(kind, k, bs, xs, ys)
+            g, sx, sy = self._graph(kind, k, bs, xs, ys, w)
             sx.copy_(xs.view(sx.shape))
             sy.copy_(ys.view(sy.shape))
             g.replay()
@@ -226,6 +241,7 @@ class GraphTrainer(Trainer):
     def val_epoch(self, plan: BatchPlan) -> None:
         assert isinstance(plan.val, ResidentBatches)
         self.model.eval()
+        graph_sync.sync_buffers(self.model)
         x, y = plan.val.epoch_tensors()
         self._replay("val", plan.val, x, y, None)
 

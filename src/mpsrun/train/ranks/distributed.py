@@ -160,18 +160,24 @@ def join(ctx: Context, choice: Any, batch_size: int) -> list[str]:
 
 
 def adjust_options(options: Any, requested_graphs: Any) -> None:
-    """CUDA graphs are not captured around DDP's all-reduce here: a stated fallback, recorded as a note.
+    """CUDA graphs under data parallel: kept on NCCL (the all-reduce is captured with the step,
+    train/ranks/graph_sync.py), recorded as a note; anywhere else a stated fallback to eager DDP.
 
-    Capturing NCCL collectives needs DDP built and warmed up on a side stream and
-    NCCL's async error handling off, which would cost the clean "a rank died" exit;
-    each rank runs eager steps instead (the resident data path stays on).
+    `MPSRUN_DDP_GRAPHS=0` keeps DDP's eager, overlapped all-reduce on NCCL too (the comparison).
     """
     if _ctx is None or not options.graphs:
         return
+    if _backend == "nccl" and os.environ.get("MPSRUN_DDP_GRAPHS", "1") != "0":
+        options.notes.append(
+            f"graphs: each of the {_ctx.world_size} ranks replays its captured steps; gradients are averaged by one "
+            "NCCL all-reduce inside the graph (train/ranks/graph_sync.py), not by DDP's buckets"
+        )
+        return
     options.graphs = False
     how = "asked for" if requested_graphs is True else "auto"
+    why = "MPSRUN_DDP_GRAPHS=0" if _backend == "nccl" else f"the {_backend} backend's collectives cannot be captured"
     options.notes.append(
-        f"graphs: CUDA graphs ({how}) are not captured under DDP (world size {_ctx.world_size}); "
+        f"graphs: CUDA graphs ({how}) are not captured under DDP (world size {_ctx.world_size}, {why}); "
         "each rank runs eager steps with DDP's overlapped all-reduce"
     )
 
@@ -240,6 +246,9 @@ def shutdown() -> None:
     global _ctx, _backend
     import torch.distributed as dist
 
+    from mpsrun.train.ranks import graph_sync
+
+    graph_sync.reset()
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -380,10 +389,15 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 # ----------------------------------------------------------------------------- the model
 
 
-def wrap(model: nn.Module, device: torch.device) -> nn.Module:
-    """DistributedDataParallel around the model (same parameters: optimizers built before or after agree)."""
+def wrap(model: nn.Module, device: torch.device, graphs: bool = False) -> nn.Module:
+    """DistributedDataParallel around the model (same parameters: optimizers built before or after agree);
+    with CUDA graphs on NCCL, the plain module and an all-reduce the captured step issues itself."""
     if _ctx is None:
         return model
+    if graphs and _backend == "nccl":
+        from mpsrun.train.ranks import graph_sync
+
+        return graph_sync.install(model, _ctx.world_size)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if device.type == "cuda":
