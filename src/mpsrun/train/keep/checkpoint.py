@@ -9,8 +9,8 @@ made (a pure function of seed and epoch, see `train.data.epoch_seed`).
 Why it is built this way:
 - Off the timed path: on the training thread the state is only copied to the host
   (the engine has already synchronised at the epoch end); a background thread
-  pickles, writes and uploads. Both costs are logged (`mpsrun/checkpoint_copy_s`,
-  `mpsrun/checkpoint_time_s`), so "free" can be checked.
+  pickles, writes and uploads. Both costs are recorded per epoch (`checkpoint_copy_s`,
+  `checkpoint_time_s` in the run's `mpsrun_timings.json`), so "free" can be checked.
 - Atomic: a file is written under a temporary name and renamed, so a checkpoint
   that exists is whole; the upload into a local artifact store does the same.
 - Durable in order: before an epoch's checkpoint is uploaded, the tracker writes
