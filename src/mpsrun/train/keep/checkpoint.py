@@ -17,6 +17,9 @@ Why it is built this way:
   every buffered metric (`sync`), so a resumable epoch always has its metrics.
 - With the run: files go to the run's artifacts (`checkpoints/last.pt`,
   `checkpoints/best.pt`), so a run on a shared server resumes from any machine.
+- Never a dead end: each file is verified whole before it replaces anything, and the
+  previous `last.pt` is kept as `prev.pt` until the new one is up (a rename in a local
+  store, an upload first elsewhere); resume falls back to the newest readable one.
 """
 
 from __future__ import annotations
