@@ -140,3 +140,25 @@ def test_a_live_owner_elsewhere_is_named_and_a_stale_one_taken_over(work: Any) -
     assert "pid 4242 on host elsewhere" in done.data.tags["mpsrun.owner.takeover.2"]  # and tagged
     assert done.data.tags["mpsrun.owner"].startswith("pid ") and "(claim 2)" in done.data.tags["mpsrun.owner"]
     assert sorted(s for s, _ in work.history(rid, "val_loss")) == [0, 1, 2, 3]
+
+
+def test_owner_verdicts() -> None:
+    """Released only once the run is no longer RUNNING; this live process is alive; a gone pid, a stale host are not."""
+    import psutil
+
+    from mpsrun.track.store import owner
+
+    mine = owner.me(3)
+    back = owner.Claim.parse(3, mine.value())
+    assert back is not None and (back.host, back.pid, back.token) == (mine.host, mine.pid, mine.token) and abs(back.since - mine.since) < 0.01
+    assert owner.verdict(mine, {}).state == "alive"
+    assert owner.verdict(mine, {owner.RELEASED: "3"}, "RUNNING").state == "alive"  # let go, but its status not yet set
+    assert owner.verdict(mine, {owner.RELEASED: "3"}, "KILLED").state == "released"
+    assert owner.verdict(mine, {owner.RELEASED: "2"}, "KILLED").state == "alive"  # a former owner's release is not this one's
+    dead = psutil.Popen(["true"])
+    dead.wait()
+    assert owner.verdict(owner.Claim(3, mine.host, dead.pid, None, time.time(), "x"), {}).gone
+    far = owner.Claim(3, "elsewhere", 1, 1.0, time.time() - 1000, "x")
+    assert owner.verdict(far, {"mpsrun.heartbeat": f"{time.time() - 10:.3f}"}).state == "alive"
+    assert owner.verdict(far, {"mpsrun.heartbeat": f"{time.time() - 1000:.3f}"}).gone
+    assert owner.latest({"mpsrun.owner.0": mine.value(), "mpsrun.owner.10": far.value(), "mpsrun.owner.2": mine.value(), "x": "1"}).host == "elsewhere"

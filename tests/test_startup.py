@@ -250,7 +250,7 @@ tracking: {experiment: startup}
 """
 # Values that differ between any two runs: argv, run name, the new tag, process and clock facts, ids,
 # and the description (it quotes the epoch time).
-VARIES = {"mpsrun.command", "mlflow.runName", "mpsrun.mlflow_helper", "mpsrun.pid", "mpsrun.pid_start", "mpsrun.heartbeat",
+VARIES = {"mpsrun.command", "mpsrun.owner", "mlflow.runName", "mpsrun.mlflow_helper", "mpsrun.pid", "mpsrun.pid_start", "mpsrun.heartbeat",
           "mpsrun.model_uri", "mpsrun.model_id", "mlflow.note.content", "mlflow.loggedModels"}
 ADDED_METRICS: set[str] = set()  # mpsrun's bookkeeping (mlflow_setup_wait_s among it) is in mpsrun_timings.json
 ADDED_TAGS = {"mpsrun.mlflow_helper"}
@@ -313,7 +313,8 @@ def test_background_tracker_keeps_every_record(work, baseline, mode: str) -> Non
     assert len(runs) == 2
     after = _record(work, runs[1])
     assert after["status"] == before["status"] == "FINISHED"
-    assert after["params"] == before["params"]
+    own = lambda d: {k: v for k, v in d.items() if not k.startswith("mpsrun.owner.")}  # noqa: E731  (who ran it: host, pid, time)
+    assert own(after["params"]) == own(before["params"])
     assert after["artifacts"] == before["artifacts"] and "recipe.yaml" in after["artifacts"]
     assert set(after["metrics"]) - set(before["metrics"]) == ADDED_METRICS
     assert set(before["metrics"]) <= set(after["metrics"])

@@ -44,7 +44,7 @@ def ui(
     console.print(f"starting the MLflow UI for {uri} on port {port}...", highlight=False)
     chosen: dict[str, str] = {}
 
-    def choose() -> None:  # while the server starts (tens of seconds on a small machine)
+    def choose() -> None:  # once the server answers: its store exists (a new one is created by the server alone)
         try:
             chosen["id"], chosen["name"] = ui_server.choose_experiment(uri, experiment)
         except LookupError:
@@ -56,11 +56,19 @@ def ui(
             err.print(f"[yellow]warning:[/] could not choose an experiment ({type(e).__name__}: {e}); the link opens the UI's home page",
                       highlight=False, markup=True)
 
-    def ready() -> None:
-        link = ui_server.experiment_page(base, chosen.get("id"))
-        console.print(f"MLflow UI: {link}  (experiment '{chosen.get('name', '?')}'; Ctrl-C to stop)", highlight=False, soft_wrap=True)
+    def started() -> None:  # while the server starts (tens of seconds on a small machine)
+        ui_server.warm()
+        if experiment is not None and ui_server.store_exists(uri):  # a misspelt name: exit 2 now, not once the server is up
+            choose()
 
-    code = ui_server.serve(ui_server.command(uri, artifacts, "127.0.0.1", port), url=base, on_ready=ready, on_started=choose)
+    def ready() -> None:
+        if not chosen:
+            choose()
+        link = ui_server.experiment_page(base, chosen.get("id"))
+        name = f"experiment '{chosen['name']}'; " if "name" in chosen else ""
+        console.print(f"MLflow UI: {link}  ({name}Ctrl-C to stop)", highlight=False, soft_wrap=True)
+
+    code = ui_server.serve(ui_server.command(uri, artifacts, "127.0.0.1", port), url=base, on_ready=ready, on_started=started)
     if code in (EXIT_INTERRUPT, EXIT_TERM):
         err.print("stopped: the MLflow UI server and its workers have exited", highlight=False)
     raise typer.Exit(code)

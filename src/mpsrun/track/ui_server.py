@@ -64,6 +64,19 @@ def choose_experiment(uri: str, name: str | None) -> tuple[str, str]:
     return (default.experiment_id, default.name) if default is not None else ("0", "Default")
 
 
+def warm() -> None:
+    """Import MLflow's client while the server starts, so the link follows its first answer closely."""
+    from mlflow.tracking import MlflowClient  # noqa: F401
+
+
+def store_exists(uri: str) -> bool:
+    """Whether the store can be read before the server has started: not a SQLite file yet to be created
+    (the server creates it; a second process creating it at the same time could collide)."""
+    if uri.startswith("sqlite:///"):
+        return os.path.exists(uri.removeprefix("sqlite:///"))
+    return True
+
+
 def answers(url: str, timeout: float = 1.0) -> bool:
     """Whether the server at `url` answers its health check with 200."""
     try:

@@ -356,9 +356,7 @@ def _open_run(setup: Setup, tracker: Any, parent_run_id: str | None, tags: dict[
                             **({claim.key: claim.value()} if main else {})})
         generation = 0 if main else None
     else:  # the same run goes on; its params stay as first logged (MLflow params are immutable)
-        got = tracker.claim_owner(resume.run_id, resume.owner_base, owner.me()) if main else None
-        if got is not None and not got["ok"]:
-            raise OwnerConflict(got["message"])
+        got = claim_run(tracker, resume.run_id, resume.owner_base) if main else None
         info = tracker.attach(resume.run_id)
         if got is not None:
             generation = int(got["generation"])
@@ -374,6 +372,24 @@ def _open_run(setup: Setup, tracker: Any, parent_run_id: str | None, tags: dict[
     if setup.splits.info:  # e.g. tabular's category vocabularies: needed to use the weights later
         tracker.log_text(json.dumps(setup.splits.info, indent=2, default=str), "data_info.json")
     return info, all_tags, generation
+
+
+def claim_run(tracker: Any, run_id: str, base: int | None = None) -> dict[str, Any]:
+    """Claim an existing run for this process before writing to it (one owner per run, track/store/owner.py).
+
+    Raises OwnerConflict naming the live owner. Returns the claim ({"generation", "owner",
+    "took_over"}); whoever claims lets go at the end with `release_run`. `base`: the newest
+    claim seen when the caller planned (a resume's checkpoint), None when there is no plan to keep.
+    """
+    got = tracker.claim_owner(run_id, base, owner.me())
+    if not got["ok"]:
+        raise OwnerConflict(got["message"])
+    return got
+
+
+def release_run(tracker: Any, generation: int) -> None:
+    """Let go of a run claimed with `claim_run` (before its status is set: the next owner waits for both)."""
+    tracker.set_tags({owner.RELEASED: str(generation)})
 
 
 def _listeners(setup: Setup, tracker: Any, listener: Listener | None, resume: ResumePoint | None, rec: record.Recorder) -> Listeners:

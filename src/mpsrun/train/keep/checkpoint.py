@@ -9,14 +9,17 @@ made (a pure function of seed and epoch, see `train.data.epoch_seed`).
 Why it is built this way:
 - Off the timed path: on the training thread the state is only copied to the host
   (the engine has already synchronised at the epoch end); a background thread
-  pickles, writes and uploads. Both costs are logged (`mpsrun/checkpoint_copy_s`,
-  `mpsrun/checkpoint_time_s`), so "free" can be checked.
+  pickles, writes and uploads. Both costs are recorded per epoch (`checkpoint_copy_s`,
+  `checkpoint_time_s` in the run's `mpsrun_timings.json`), so "free" can be checked.
 - Atomic: a file is written under a temporary name and renamed, so a checkpoint
   that exists is whole; the upload into a local artifact store does the same.
 - Durable in order: before an epoch's checkpoint is uploaded, the tracker writes
   every buffered metric (`sync`), so a resumable epoch always has its metrics.
 - With the run: files go to the run's artifacts (`checkpoints/last.pt`,
   `checkpoints/best.pt`), so a run on a shared server resumes from any machine.
+- Never a dead end: each file is verified whole before it replaces anything, and the
+  previous `last.pt` is kept as `prev.pt` until the new one is up (a rename in a local
+  store, an upload first elsewhere); resume falls back to the newest readable one.
 """
 
 from __future__ import annotations
@@ -146,7 +149,6 @@ class Checkpointer(Callback):
     best_file: Path | None = None  # the best checkpoint of a resumed run, when it was not this session's
     siblings: Callable[[], Callback] | None = None  # the Callbacks holding every callback's state
     hyper: dict[str, Any] = field(default_factory=dict)  # optimizer settings overridden on resume: win over the saved ones
-    logged: frozenset[int] = frozenset()  # epochs trained again on resume whose metrics are in the run already: not logged twice
     ranks_rng: bool = True  # DDP: gather every rank's random state at epoch ends (False: the job writes no checkpoints)
     directory: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mpsrun-ckpt-")))
     best: float | None = None

@@ -68,7 +68,6 @@ class Continuity:
             restore=resume.checkpoint if resume else None,
             best_file=resume.best_file if resume else None,
             hyper=self._hyper(resume),
-            logged=resume.landed if resume else frozenset(),
             ranks_rng=recipe.checkpoint.every > 0,  # rank 0 checkpoints: every rank hands it its random state
         )
         start = {**liveness.identity(), PLANNED: str(recipe.epochs), "mpsrun.recipe_dir": str(setup.resolved.path.resolve().parent)}

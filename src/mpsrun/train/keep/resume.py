@@ -1,9 +1,11 @@
 """`mpsrun resume`: from a run id to a recipe and a checkpoint to continue from, or a clear refusal.
 
 Everything comes from the tracking store (the recipe logged on the run, its
-`checkpoints/last.pt`), so a run resumes from any folder or machine that reaches
-the store. Refusals are bad input (exit 2): an unknown id, no checkpoint, a
-finished run without more epochs, a run whose process is still alive.
+`checkpoints/last.pt`, or the newest readable of the others when that one is damaged),
+so a run resumes from any folder or machine that reaches the store. Refusals are bad
+input (exit 2): an unknown id, no readable checkpoint, a finished run without more
+epochs, a run whose owner is still alive (track/store/owner.py; the runner claims the
+run before it writes to it, so two resumes started together cannot both train).
 
 A data-parallel run (tagged `distributed.world_size`) resumes as a job of that many
 ranks (cli/resume.py launches them). The launcher plans in full and leaves the files
