@@ -44,6 +44,7 @@ class TrackingSection(BaseModel):
     log_model: bool = Field(True, description="log the trained model with mlflow.pytorch (artifact `model`: signature, input example, requirements)")
     register: str | None = Field(None, description="register the logged model as a new version of this registered model")
     system_metrics: bool = Field(True, description="sample CPU, memory, disk, network and GPU (NVIDIA, MPS) as system/... metrics")
+    figures: bool = Field(True, description="draw the run's figures (learning curves, confusion matrix or predictions); `mpsrun sweep` trials default to false")
 
     @field_validator("tags", mode="before")
     @classmethod

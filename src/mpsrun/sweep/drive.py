@@ -119,7 +119,7 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
         codes = []
     if code == EXIT_OK and EXIT_INPUT in codes:
         code, message = EXIT_INPUT, "a worker stopped on bad input (its message is above)"
-    summary, notes = results.publish(p.resolved, study, parent_run_id, p.tracking_uri)
+    summary, notes = results.publish(p.resolved, study, parent_run_id, p.tracking_uri, p.target)
     if code == EXIT_OK:
         interrupted = [c for c in codes if c in (130, 143)]
         if interrupted:

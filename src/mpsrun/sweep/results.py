@@ -77,9 +77,19 @@ def trials_csv(resolved: Resolved, study: Any) -> str:
     return out.getvalue()
 
 
-def publish(resolved: Resolved, study: Any, parent_run_id: str, tracking_uri: str | None) -> tuple[Summary, list[str]]:
-    """Log the summary, best recipe, CSV and figures on the parent; returns the summary and notes (skipped figures)."""
+def best_recipe(resolved: Resolved, s: Summary) -> str:
+    """The recipe as the user wrote it (overrides applied), the best values set, no `sweep:` section."""
+    import yaml
+
     from mpsrun.recipe.sweep import trial_recipe
+
+    best = trial_recipe(resolved, s.best_values)  # validated: `mpsrun run` takes it as it is
+    head = f"# The best trial ({s.best_number}) of an mpsrun sweep of {resolved.path.name}: {resolved.recipe.sweep.metric if resolved.recipe.sweep else ''} {s.best_value}\n"
+    return head + yaml.safe_dump(best.source.data, sort_keys=False)
+
+
+def publish(resolved: Resolved, study: Any, parent_run_id: str, tracking_uri: str | None, target: int) -> tuple[Summary, list[str]]:
+    """Log the summary, best recipe, CSV and figures on the parent; returns the summary and notes (skipped figures)."""
     from mpsrun.sweep import figures
 
     uri, _ = store.resolve_uri(tracking_uri)
@@ -91,7 +101,7 @@ def publish(resolved: Resolved, study: Any, parent_run_id: str, tracking_uri: st
         metrics["best_value"] = s.best_value
     for k, v in metrics.items():
         c.log_metric(parent_run_id, k, float(v))
-    tags = {"mpsrun.sweep.progress": f"{s.done}/{(resolved.recipe.sweep.trials if resolved.recipe.sweep else 0)}"}
+    tags = {"mpsrun.sweep.progress": f"{s.done}/{target}"}
     if s.best_number is not None:
         tags.update({"mpsrun.sweep.best_trial": str(s.best_number), "mpsrun.sweep.best_run_id": s.best_run_id or ""})
         tags.update({f"best.{k}": json.dumps(v) for k, v in s.best_values.items()})
@@ -102,7 +112,7 @@ def publish(resolved: Resolved, study: Any, parent_run_id: str, tracking_uri: st
                 c.log_param(parent_run_id, f"best.{k}", text)
             elif logged[f"best.{k}"] != text[:6000]:
                 notes.append(f"param best.{k} keeps its first value (MLflow params are immutable); the tag best.{k} has the new best")
-        c.log_text(parent_run_id, trial_recipe(resolved, s.best_values).as_yaml(), "best_recipe.yaml")
+        c.log_text(parent_run_id, best_recipe(resolved, s), "best_recipe.yaml")
     for k, v in tags.items():
         c.set_tag(parent_run_id, k, v)
     c.log_text(parent_run_id, trials_csv(resolved, study), "trials.csv")
