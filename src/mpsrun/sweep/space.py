@@ -102,7 +102,11 @@ def sampler(sweep: SweepSection, seed: int) -> Any:
     if s == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if s == "grid":
-        return optuna.samplers.GridSampler(grid(sweep), seed=seed)
+        class Grid(optuna.samplers.GridSampler):
+            def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+                """No `study.stop()` once the grid is covered (it needs `study.optimize`): the budget, capped at the grid's size, ends the sweep."""
+
+        return Grid(grid(sweep), seed=seed)
     if s == "cmaes":
         return optuna.samplers.CmaEsSampler(seed=seed, warn_independent_sampling=False)
     return optuna.samplers.QMCSampler(seed=seed, scramble=True, warn_asynchronous_seeding=False)

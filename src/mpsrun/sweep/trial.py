@@ -54,7 +54,9 @@ class Report(Callback):
         self.trial.report(self.last, epoch)
         if epoch + 1 < run.epochs and self.trial.should_prune():
             self.pruned_at = epoch
-            run.request_stop(f"pruned by Optuna's {self.pruner_name} pruner after epoch {epoch + 1} ({self.metric} {self.last:.6g})")
+            why = f"pruned by Optuna's {self.pruner_name} pruner after epoch {epoch + 1} ({self.metric} {self.last:.6g})"
+            run.log.set_tags({"mpsrun.sweep.pruned": why})
+            run.request_stop(why)
 
 
 @dataclass
