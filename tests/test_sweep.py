@@ -139,27 +139,29 @@ def _mpsrun(cwd: Path, *args: str) -> subprocess.Popen:
                             text=True, start_new_session=True)
 
 
-def _running_child_with_an_epoch(db: Path) -> bool:
-    """A trial's run that is RUNNING and has logged at least one epoch: the process is mid-trial."""
+def _mid_trial_runs(db: Path) -> set[str]:
+    """Trial runs that are RUNNING and have logged at least one epoch: a process is mid-trial."""
     if not db.exists():
-        return False
+        return set()
     try:
         with sqlite3.connect(db, timeout=1) as conn:
             rows = conn.execute(
-                "SELECT count(*) FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid AND t.key = 'mpsrun.sweep' AND t.value = 'trial' "
+                "SELECT r.run_uuid FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid AND t.key = 'mpsrun.sweep' AND t.value = 'trial' "
                 "JOIN latest_metrics m ON m.run_uuid = r.run_uuid AND m.key = 'mpsrun/epochs_done' WHERE r.status = 'RUNNING'"
             ).fetchall()
-        return rows[0][0] > 0
+        return {r[0] for r in rows}
     except sqlite3.Error:
-        return False
+        return set()
 
 
-def _wait_mid_trial(proc: subprocess.Popen, db: Path, timeout: float = 120) -> None:
+def _wait_mid_trial(proc: subprocess.Popen, db: Path, before: set[str] = frozenset(), timeout: float = 120) -> set[str]:  # type: ignore[assignment]
+    """Until a trial run that was not RUNNING before is mid-trial; returns the mid-trial runs."""
     deadline = time.monotonic() + timeout
-    while not _running_child_with_an_epoch(db):
+    while not (_mid_trial_runs(db) - before):
         assert proc.poll() is None, proc.communicate()[0]
         assert time.monotonic() < deadline, "no trial got going"
         time.sleep(0.2)
+    return _mid_trial_runs(db)
 
 
 def test_killed_worker_then_terminated_then_rerun_gives_exactly_trials_finished(work: Workdir) -> None:
@@ -167,18 +169,17 @@ def test_killed_worker_then_terminated_then_rerun_gives_exactly_trials_finished(
     path = recipe(work, "k.yaml", "sw5", "optimizer.lr: {low: 0.01, high: 0.2}", trials=3, epochs=40)
     db = work.path / "mlruns" / "mlflow.db"
     p = _mpsrun(work.path, "sweep", str(path), "-q")
-    _wait_mid_trial(p, db)
+    killed = _wait_mid_trial(p, db)
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
 
     p = _mpsrun(work.path, "sweep", str(path), "-q")
-    time.sleep(1.0)
-    _wait_mid_trial(p, db)
+    _wait_mid_trial(p, db, before=killed)
     os.killpg(p.pid, signal.SIGTERM)
     out = p.communicate(timeout=120)[0]
     assert p.returncode == 143, out
 
-    p = _mpsrun(work.path, "sweep", str(path), "-q")
+    p = _mpsrun(work.path, "sweep", str(path), "epochs=2", "-q")  # the rest of the study, quickly
     out = p.communicate(timeout=300)[0]
     assert p.returncode == 0, out
     parents, kids = children(work, "sw5")
