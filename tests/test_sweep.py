@@ -239,3 +239,18 @@ def test_postgresql_storage_with_two_workers(tmp_path: Path) -> None:
     finally:
         pg.stop()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_runs_shows_a_sweep_with_its_progress_and_resume_continues_it(work: Workdir) -> None:
+    path = recipe(work, "r.yaml", "sw8", "optimizer.lr: {low: 0.01, high: 0.2}", trials=3)
+    r = work.cli("sweep", str(path), "--trials", "1")
+    assert r.exit_code == 0, r.output
+    (parent,), _ = children(work, "sw8")
+    listing = work.cli("runs", "--experiment", "sw8")
+    assert "1/1 trials" in listing.output
+    more = work.cli("resume", parent.info.run_id, "sweep.trials=2")
+    assert more.exit_code == 0, more.output
+    assert "continued: 1 of 2" in more.output
+    parents, kids = children(work, "sw8")
+    assert [p.info.run_id for p in parents] == [parent.info.run_id] and len(kids) == 2
+    assert "2/2 trials" in work.cli("runs", "--experiment", "sw8").output

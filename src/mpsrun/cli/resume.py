@@ -44,6 +44,13 @@ def resume(
     from mpsrun.train.keep import resume as resumemod
 
     uri, _ = tracking.resolve_uri(tracking_uri)
+    from mpsrun.track.store.runs import get_run
+
+    found = get_run(uri, run_id)
+    if found is not None and found.data.tags.get("mpsrun.sweep") == "parent":  # a sweep goes on: its study, its parent
+        from mpsrun.cli.sweep import resume_sweep
+
+        return resume_sweep(found, overrides or [], tracking_uri, quiet)
     if in_a_job():  # one rank of a resumed job: started below, or by torchrun ... -m mpsrun resume ID
         if nproc is not None:
             raise bad_input("--nproc inside a job that a launcher (torchrun) already started; drop --nproc")
@@ -166,14 +173,15 @@ def runs(
     from rich.table import Table
 
     t = Table(box=None, pad_edge=False)
-    for col in ("run id", "experiment", "name", "status", "device", "epochs", "best", "started"):
-        t.add_column(col, no_wrap=col in ("run id", "status", "epochs"), overflow="fold")
+    for col in ("run id", "experiment", "name", "status", "device", "epochs/trials", "best", "started"):
+        t.add_column(col, no_wrap=col in ("run id", "status", "epochs/trials"), overflow="fold")
     colour = {"FINISHED": "green", "FAILED": "red", "KILLED": "yellow", "INTERRUPTED": "yellow", "RUNNING": "cyan"}
     for r in rows:
         done = "?" if r.epochs_done is None else str(r.epochs_done)
         planned = "?" if r.epochs_planned is None else str(r.epochs_planned)
         started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.start_time / 1000)) if r.start_time else ""
-        t.add_row(r.run_id, r.experiment, r.name, f"[{colour.get(r.shown, 'white')}]{r.shown}[/]", r.device, f"{done}/{planned}", r.best, started)
+        progress = r.sweep or f"{done}/{planned}"  # a sweep's parent: trials done of its budget
+        t.add_row(r.run_id, r.experiment, r.name, f"[{colour.get(r.shown, 'white')}]{r.shown}[/]", r.device, progress, r.best, started)
     console.print(t)
     for r in rows:
         if r.shown == "INTERRUPTED":

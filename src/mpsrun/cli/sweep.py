@@ -94,3 +94,27 @@ def _values(values: dict) -> str:  # type: ignore[type-arg]
 
     return " ".join(f"{k}={json.dumps(v)}" for k, v in values.items())
 
+
+
+def resume_sweep(run, overrides: list, tracking_uri: Optional[str], quiet: bool) -> None:  # type: ignore[no-untyped-def,type-arg]
+    """`mpsrun resume PARENT_ID`: the same recipe, overrides, study and storage, until the study holds its trials.
+
+    The budget is the one the sweep last ran with (`mpsrun.sweep.trials`), or `sweep.trials=N` given here.
+    """
+    import json
+
+    from mpsrun.sweep import drive, parent
+
+    tags = run.data.tags
+    recipe = Path(tags.get("mpsrun.recipe", ""))
+    if not recipe.is_file():
+        raise bad_input(
+            f"the sweep's recipe {recipe} is not here; its text is the parent run's artifact sweep_recipe.yaml: "
+            f"save it and run `mpsrun sweep FILE --study {tags.get(parent.STUDY)} --storage {tags.get(parent.STORAGE)}`"
+        )
+    resolved = resolve_recipe(recipe, json.loads(tags.get(parent.OVERRIDES, "[]")) + list(overrides))
+    with recipe_errors():
+        target = None if any(o.startswith("sweep.trials=") for o in overrides) else int(tags.get(parent.TARGET, "0")) or None
+        p = drive.plan(resolved, target, 1, tags.get(parent.STORAGE), tags.get(parent.STUDY), tracking_uri)
+    require_store(tracking_uri)
+    run_plan(p, quiet)

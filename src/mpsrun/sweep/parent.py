@@ -18,6 +18,7 @@ from mpsrun.track.store import liveness
 
 ROLE = "mpsrun.sweep"  # "parent" or "trial"
 STUDY, STORAGE, TARGET = "mpsrun.sweep.study", "mpsrun.sweep.storage", "mpsrun.sweep.trials"
+OVERRIDES = "mpsrun.sweep.overrides"  # JSON list: `mpsrun resume PARENT_ID` resolves the recipe again with them
 PROGRESS = "mpsrun.sweep.progress"  # "done/target", refreshed after each trial
 
 
@@ -76,7 +77,8 @@ def open_parent(resolved: Resolved, study: Any, storage_url: str, target: int, t
     exp_id = store.ensure_experiment(c, experiment, artifact_root)
     tags = {
         ROLE: "parent", STUDY: study.study_name, STORAGE: storage.shown(storage_url), TARGET: str(target),
-        "mpsrun.recipe": str(resolved.path), "mpsrun.overrides": " ".join(resolved.overrides),
+        "mpsrun.recipe": str(resolved.path.resolve()), "mpsrun.overrides": " ".join(resolved.overrides),
+        OVERRIDES: json.dumps(resolved.overrides),
         "mpsrun.sweep.metric": resolved.recipe.sweep.metric if resolved.recipe.sweep else "",
         **ident, **resolved.recipe.tracking.tags,
     }
