@@ -87,3 +87,36 @@ def test_epoch_metric_list_matches_the_engine() -> None:
     from mpsrun.train.assemble import ALWAYS
 
     assert set(ALWAYS) <= set(EPOCH_METRICS)
+
+
+def test_validate_checks_the_sweep_values_too(work) -> None:
+    path = work.write("v.yaml", BASE.format(param="optimizer.name: [sgd, adamm]", metric="val_loss", sampler="tpe"))
+    r = work.cli("validate", str(path))
+    assert r.exit_code == 2 and re.search(r"v\.yaml:20:\d+: .*unknown optimizer 'adamm'", r.output), r.output
+
+
+def test_each_worker_takes_its_own_gpu_cuda_mock(work, monkeypatch) -> None:
+    """Several GPUs: worker i trains on cuda:i (torch.cuda mocked: this machine has none)."""
+    import torch
+
+    from mpsrun.plugins import resolve
+    from mpsrun.sweep.worker import device_for
+
+    path = work.write("g.yaml", BASE.format(param="optimizer.lr: [0.1]", metric="val_loss", sampler="tpe").replace("device: cpu", "device: cuda"))
+    resolved = resolve(path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert [device_for(resolved, i, 4) for i in range(4)] == [{"device": f"cuda:{i}"} for i in range(4)]
+    assert device_for(resolved, 0, 1) == {}  # one worker: the recipe's device
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert device_for(resolved, 3, 4) == {}  # one GPU: shared
+
+
+def test_workers_divide_the_cores_between_them() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = "import torch; from mpsrun.sweep.worker import share_cores; share_cores(2); print(torch.get_num_threads())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert int(out) == max(1, len(os.sched_getaffinity(0)) // 2)

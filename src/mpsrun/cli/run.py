@@ -153,6 +153,12 @@ def validate(recipe: Path = RecipeArg, overrides: Optional[List[str]] = Override
     """Check a recipe (and overrides) and print it resolved, or every problem found."""
     resolved = resolve_recipe(recipe, overrides)
     matrix_cells = cells(resolved)
+    if resolved.recipe.sweep is not None:  # every searched value checked as `mpsrun sweep` checks it
+        from mpsrun.cli.common import recipe_errors
+        from mpsrun.sweep.drive import check
+
+        with recipe_errors():
+            check(resolved)
     console.print(f"# {recipe}: valid", highlight=False)
     console.print(resolved.as_yaml(), highlight=False, markup=False)
     if matrix_cells:

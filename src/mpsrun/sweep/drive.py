@@ -43,8 +43,23 @@ def possible_metrics(resolved: Resolved) -> list[str]:
 
 def plan(resolved: Resolved, trials: int | None, workers: int, storage_url: str | None, study: str | None, tracking_uri: str | None) -> Plan:
     """Everything checked that can be without data; raises RecipeError (exit 2) naming the line."""
-    from mpsrun.recipe import sweep as rs
     from mpsrun.track.store import client as store
+
+    sweep = check(resolved)
+    target = trials or sweep.trials
+    notes = []
+    if sweep.sampler == "grid" and target > space.grid_size(sweep):
+        notes.append(f"sampler grid: {space.grid_size(sweep)} points, so {space.grid_size(sweep)} trials rather than {target}")
+        target = space.grid_size(sweep)
+    uri, _ = store.resolve_uri(tracking_uri)
+    url = storage_url or storage.default_url(uri)
+    name = study or resolved.recipe.tracking.experiment or resolved.path.stem
+    return Plan(resolved, url, name, tracking_uri, target, workers, notes)
+
+
+def check(resolved: Resolved) -> Any:
+    """The sweep section checked as far as it can be without data (`mpsrun validate` too); RecipeError otherwise."""
+    from mpsrun.recipe import sweep as rs
 
     sweep = rs.section(resolved)
     names = possible_metrics(resolved)
@@ -57,15 +72,7 @@ def plan(resolved: Resolved, trials: int | None, workers: int, storage_url: str 
         space.check(sweep)
     except space.SpaceError as e:
         raise rs.problem(resolved, e.path, str(e)) from None
-    target = trials or sweep.trials
-    notes = []
-    if sweep.sampler == "grid" and target > space.grid_size(sweep):
-        notes.append(f"sampler grid: {space.grid_size(sweep)} points, so {space.grid_size(sweep)} trials rather than {target}")
-        target = space.grid_size(sweep)
-    uri, _ = store.resolve_uri(tracking_uri)
-    url = storage_url or storage.default_url(uri)
-    name = study or resolved.recipe.tracking.experiment or resolved.path.stem
-    return Plan(resolved, url, name, tracking_uri, target, workers, notes)
+    return sweep
 
 
 def create_study(p: Plan) -> Any:

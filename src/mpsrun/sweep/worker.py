@@ -15,11 +15,13 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from mpsrun.recipe.load import Resolved
 from mpsrun.sweep import space, storage
-from mpsrun.sweep import trial as trial_mod
+
+if TYPE_CHECKING:
+    from mpsrun.sweep.trial import Outcome
 
 
 @dataclass
@@ -47,7 +49,7 @@ class Job:
 @dataclass
 class TrialEnd:
     number: int
-    outcome: trial_mod.Outcome
+    outcome: "Outcome"
     values: dict[str, Any]
     seconds: float
 
@@ -121,6 +123,7 @@ def work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, A
 
     from mpsrun.recipe.sweep import trial_recipe
     from mpsrun.sweep import parent
+    from mpsrun.sweep import trial as trial_mod  # torch: imported here, once per worker
 
     sweep = resolved.recipe.sweep
     assert sweep is not None
@@ -179,7 +182,7 @@ def _lost_run_after(t: Any, marker: Any, why: str) -> None:
         marker.state(run_id, "FAILED", counted=False, why=why)
 
 
-def _tell(study: Any, t: Any, outcome: trial_mod.Outcome) -> None:
+def _tell(study: Any, t: Any, outcome: "Outcome") -> None:
     from optuna.trial import TrialState
 
     if outcome.run_id:
@@ -198,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m mpsrun.sweep.worker INDEX JOB_JSON`: one extra worker of `mpsrun sweep --workers N`."""
     from mpsrun.exitcodes import EXIT_INPUT, EXIT_OK
     from mpsrun.plugins import resolve
+    from mpsrun.sweep import trial as trial_mod
     from mpsrun.train.keep import interrupt
 
     args = sys.argv[1:] if argv is None else argv
