@@ -8,6 +8,7 @@ what the sampler can search, and a metric name no run logs. What only the data c
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -110,10 +111,15 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
     status = "FINISHED"
     try:
         with interrupt.stop_on_signals():
+            waiting = []
             for i in range(1, p.workers):
-                procs.append(subprocess.Popen([sys.executable, "-m", "mpsrun.sweep.worker", str(i), job.to_json()], start_new_session=True))
+                r, w = os.pipe()
+                procs.append(subprocess.Popen([sys.executable, "-m", "mpsrun.sweep.worker", str(i), job.to_json(), str(w)],
+                                              start_new_session=True, pass_fds=(w,)))
+                os.close(w)
+                waiting.append(r)
             try:
-                worker.work(job, p.resolved, 0, on_end)
+                worker.work(job, p.resolved, 0, on_end, ready=lambda: _all_ready(waiting))
             except trial_mod.BadInput as e:
                 code, message = EXIT_INPUT, str(e)
                 _signal(procs, signal.SIGTERM)
@@ -138,6 +144,22 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
         status = "FAILED"
     parent.close(p.tracking_uri, parent_run_id, status)
     return Outcome(code, parent_run_id, summary, notes, message)
+
+
+def _all_ready(fds: list[int], timeout_s: float = 300.0) -> None:
+    """Wait until every extra worker has said it is ready (or has ended: its pipe closes), then trials begin."""
+    import select
+
+    deadline = time.monotonic() + timeout_s
+    open_fds = list(fds)
+    while open_fds and time.monotonic() < deadline:
+        readable, _, _ = select.select(open_fds, [], [], max(0.0, deadline - time.monotonic()))
+        for fd in readable:
+            os.read(fd, 64)  # "ready", or b"" when the worker ended first
+            os.close(fd)
+            open_fds.remove(fd)
+    for fd in open_fds:
+        os.close(fd)
 
 
 def _signal(procs: list[subprocess.Popen], sig: int) -> None:

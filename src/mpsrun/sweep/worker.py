@@ -117,8 +117,24 @@ def _lost_run(t: Any, why: str, on_lost_run: Callable[[str, str], None]) -> None
         on_lost_run(run_id, why)
 
 
-def work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, Any], None] | None = None) -> Tally:
-    """Trials until the study holds `job.target` counted trials (or none is left to ask for)."""
+def work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, Any], None] | None = None,
+         ready: Callable[[], None] | None = None) -> Tally:
+    """Trials until the study holds `job.target` counted trials (or none is left to ask for).
+
+    `ready` is called once torch, the study and the first dataset are loaded, before the first trial:
+    `mpsrun sweep --workers N` starts asking once every worker is there, so N trials run at once
+    from the start (and worker 0 does not take the short sweep's trials alone while the others start).
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        return _work(job, resolved, index, on_end, ready)
+    finally:
+        torch.set_num_threads(threads)  # a worker in a longer-lived process (tests, notebooks) gives them back
+
+
+def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, Any], None] | None, ready: Callable[[], None] | None) -> Tally:
     from optuna.trial import TrialState
 
     from mpsrun.recipe.sweep import trial_recipe
@@ -132,6 +148,12 @@ def work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, A
     marker = parent.RunMarker(job.tracking_uri)
     study = load_study(job, resolved, index, marker.lost)
     cache = trial_mod.DataCache()
+    try:
+        cache.get(trial_recipe(resolved, placement))  # the data every trial of this recipe's dataset section uses
+    except Exception:  # noqa: BLE001 - the first trial meets it again and says why (bad input: exit 2)
+        pass
+    if ready is not None:
+        ready()
     tally = Tally()
     while True:
         storage.reap(study, lambda t, why: _lost_run(t, f"its worker died ({why})", marker.lost))
@@ -206,10 +228,17 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else argv
     index, job = int(args[0]), Job.from_json(args[1])
+    ready_fd = int(args[2]) if len(args) > 2 else None
+
+    def ready() -> None:
+        if ready_fd is not None:
+            os.write(ready_fd, b"ready\n")
+            os.close(ready_fd)
+
     resolved = resolve(job.recipe, job.overrides)
     try:
         with interrupt.stop_on_signals():
-            work(job, resolved, index)
+            work(job, resolved, index, ready=ready)
     except KeyboardInterrupt as e:
         return interrupt.exit_code(e)
     except trial_mod.BadInput as e:
