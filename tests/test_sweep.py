@@ -183,7 +183,11 @@ def test_killed_worker_then_terminated_then_rerun_gives_exactly_trials_finished(
     lost = [k for k in kids if k.data.tags.get("mpsrun.sweep.counted") == "false"]
     assert len(lost) == 2 and {k.info.status for k in lost} == {"KILLED"}
     s = study(work.path, "sw5")
-    finished = [t for t in s.trials if t.state.name in ("COMPLETE", "PRUNED") or (t.state.name == "FAIL" and "mpsrun.lost" not in t.user_attrs)]
+    from mpsrun.sweep import storage
+
+    lost = storage.lost_trials(s)
+    assert len(lost) == 2
+    finished = [t for t in s.trials if storage.counted(t, lost)]
     assert len(finished) == 3 and len({t.number for t in finished}) == 3
     assert not [t for t in s.trials if t.state.name == "RUNNING"]
     retried = [t for t in s.trials if "mpsrun.retry_of" in t.user_attrs]
@@ -248,3 +252,28 @@ def test_runs_shows_a_sweep_with_its_progress_and_resume_continues_it(work: Work
     parents, kids = children(work, "sw8")
     assert [p.info.run_id for p in parents] == [parent.info.run_id] and len(kids) == 2
     assert "2/2 trials" in work.cli("runs", "--experiment", "sw8").output
+
+
+def test_a_trial_whose_heartbeat_stopped_is_failed_queued_again_and_not_counted(tmp_path: Path) -> None:
+    """A database storage (SQLite here, as PostgreSQL): a worker on another machine that stopped beating."""
+    import optuna
+
+    from mpsrun.sweep import storage
+
+    seen = []
+    st = storage.open_storage(f"sqlite:///{tmp_path / 'optuna.db'}", on_failed=lambda s, t: seen.append(t.number), heartbeat_s=1, grace_s=2)
+    s = optuna.create_study(study_name="hb", storage=st)
+    t = s.ask()
+    t.suggest_float("optimizer.lr", 0.01, 0.1)
+    for k, v in {"mpsrun.host": "elsewhere", "mpsrun.pid": "1", "mpsrun.pid_start": "0"}.items():
+        t.set_user_attr(k, v)  # not this machine: only the heartbeat can tell
+    st.record_heartbeat(t._trial_id)
+    time.sleep(3.5)
+    storage.reap(s, lambda trial, why: None)
+    trials = s.get_trials()
+    lost = storage.lost_trials(s)
+    assert trials[0].state.name == "FAIL" and "heartbeat" in lost[0]
+    assert seen == [0]
+    assert not storage.counted(trials[0], lost) and storage.budget(s, 1) == (0, 0)
+    assert trials[1].state.name == "WAITING" and trials[1].user_attrs["mpsrun.retry_of"] == 0
+    assert trials[1].system_attrs["fixed_params"] == {"optimizer.lr": trials[0].params["optimizer.lr"]}

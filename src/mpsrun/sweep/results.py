@@ -44,7 +44,7 @@ def summarise(resolved: Resolved, study: Any) -> Summary:
 
     sweep = resolved.recipe.sweep
     assert sweep is not None
-    trials = study.get_trials(deepcopy=False)
+    trials, lost = study.get_trials(deepcopy=False), storage.lost_trials(study)
     complete = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None and math.isfinite(t.value)]
     best = None
     if complete:
@@ -52,8 +52,8 @@ def summarise(resolved: Resolved, study: Any) -> Summary:
     return Summary(
         complete=sum(1 for t in trials if t.state == TrialState.COMPLETE),
         pruned=sum(1 for t in trials if t.state == TrialState.PRUNED),
-        failed=sum(1 for t in trials if t.state == TrialState.FAIL and storage.counted(t)),
-        lost=sum(1 for t in trials if t.state == TrialState.FAIL and storage.LOST in t.user_attrs),
+        failed=sum(1 for t in trials if t.state == TrialState.FAIL and storage.counted(t, lost)),
+        lost=sum(1 for t in trials if t.state == TrialState.FAIL and storage.why_lost(t, lost) is not None),
         best_value=best.value if best else None,
         best_number=best.number if best else None,
         best_values=space.decode_params(sweep, best.params) if best else {},
@@ -68,11 +68,12 @@ def trials_csv(resolved: Resolved, study: Any) -> str:
     out = io.StringIO()
     w = csv.writer(out)
     w.writerow(["number", "state", "counted", sweep.metric, *keys, "run_id", "duration_s", "note"])
+    lost = storage.lost_trials(study)
     for t in study.get_trials(deepcopy=False):
         values = space.decode_params(sweep, t.params)
         dur = (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_complete and t.datetime_start else ""
-        note = t.user_attrs.get(storage.LOST) or t.user_attrs.get(storage.SURPLUS) or t.user_attrs.get("mpsrun.message", "")
-        w.writerow([t.number, t.state.name, storage.counted(t), "" if t.value is None else t.value,
+        note = storage.why_lost(t, lost) or t.user_attrs.get(storage.SURPLUS) or t.user_attrs.get("mpsrun.message", "")
+        w.writerow([t.number, t.state.name, storage.counted(t, lost), "" if t.value is None else t.value,
                     *[json.dumps(values[k]) if k in values else "" for k in keys], t.user_attrs.get(storage.RUN_ID, ""), dur, note])
     return out.getvalue()
 

@@ -58,7 +58,7 @@ def _sqlalchemy_url(url: str) -> str:
     return url
 
 
-def open_storage(url: str, on_failed: Callable[[Any, Any], None] | None = None) -> Any:
+def open_storage(url: str, on_failed: Callable[[Any, Any], None] | None = None, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRACE_S) -> Any:
     """An Optuna storage for `url` (journal:PATH, or a database URL with a heartbeat)."""
     import optuna
 
@@ -73,18 +73,33 @@ def open_storage(url: str, on_failed: Callable[[Any, Any], None] | None = None) 
         if on_failed is not None:
             on_failed(study, trial)
 
+    import inspect
+
+    # Optuna 4.9 renamed the callback (the old name warns); either is called with the trial already FAILED.
+    params = inspect.signature(optuna.storages.RDBStorage.__init__).parameters
+    callback = {"heartbeat_stale_trial_callback": failed} if "heartbeat_stale_trial_callback" in params else {"failed_trial_callback": failed}
     return optuna.storages.RDBStorage(
-        _sqlalchemy_url(url), heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, failed_trial_callback=failed,
-        engine_kwargs={"pool_pre_ping": True},
+        _sqlalchemy_url(url), heartbeat_interval=heartbeat_s, grace_period=grace_s, engine_kwargs={"pool_pre_ping": True}, **callback,
     )
 
 
-def counted(trial: Any) -> bool:
+def lost_trials(study: Any) -> dict[int, str]:
+    """Trial number -> why it was lost. Kept on the study as well as the trial: a trial Optuna's
+    heartbeat already failed can take no more attributes (finished trials are immutable)."""
+    attrs = study.user_attrs
+    return {int(k.rsplit(".", 1)[1]): str(v) for k, v in attrs.items() if k.startswith(LOST + ".") and k.rsplit(".", 1)[1].isdigit()}
+
+
+def why_lost(trial: Any, lost: dict[int, str]) -> str | None:
+    return trial.user_attrs.get(LOST) or lost.get(trial.number)
+
+
+def counted(trial: Any, lost: dict[int, str]) -> bool:
     from optuna.trial import TrialState
 
     if trial.state in (TrialState.COMPLETE, TrialState.PRUNED):
         return True
-    return trial.state == TrialState.FAIL and LOST not in trial.user_attrs and SURPLUS not in trial.user_attrs
+    return trial.state == TrialState.FAIL and why_lost(trial, lost) is None and SURPLUS not in trial.user_attrs
 
 
 def mark_lost(study: Any, trial: Any, why: str, already_failed: bool = False) -> None:
@@ -93,12 +108,13 @@ def mark_lost(study: Any, trial: Any, why: str, already_failed: bool = False) ->
 
     storage = study._storage
     tid = trial._trial_id
-    try:
-        storage.set_trial_user_attr(tid, LOST, why)
-        if not already_failed:
+    study.set_user_attr(f"{LOST}.{trial.number}", why)  # first: the count must never include it
+    if not already_failed:
+        try:
+            storage.set_trial_user_attr(tid, LOST, why)
             storage.set_trial_state_values(tid, TrialState.FAIL)
-    except Exception:  # noqa: BLE001 - another worker failed it first (it is finished now)
-        return
+        except Exception:  # noqa: BLE001 - another worker failed it first (it is finished now)
+            return
     if trial.params:
         study.enqueue_trial(trial.params, user_attrs={RETRY_OF: trial.number}, skip_if_exists=False)
 
@@ -134,15 +150,16 @@ def budget(study: Any, target: int) -> tuple[int, int]:
     """(counted trials, trials running now) in the study."""
     from optuna.trial import TrialState
 
-    trials = study.get_trials(deepcopy=False)
-    return sum(1 for t in trials if counted(t)), sum(1 for t in trials if t.state == TrialState.RUNNING)
+    trials, lost = study.get_trials(deepcopy=False), lost_trials(study)
+    return sum(1 for t in trials if counted(t, lost)), sum(1 for t in trials if t.state == TrialState.RUNNING)
 
 
 def over_budget(study: Any, trial: Any, target: int) -> bool:
     """Whether `trial` (just asked) is beyond the first `target` trials that count or run (a race between workers)."""
     from optuna.trial import TrialState
 
-    alive = sorted(t.number for t in study.get_trials(deepcopy=False) if counted(t) or t.state == TrialState.RUNNING)
+    lost = lost_trials(study)
+    alive = sorted(t.number for t in study.get_trials(deepcopy=False) if counted(t, lost) or t.state == TrialState.RUNNING)
     return trial.number not in alive[:target]
 
 

@@ -182,6 +182,7 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
             raise
         except trial_mod.BadInput:
             t.set_user_attr(storage.LOST, "bad input: the sweep stopped before training")
+            study.set_user_attr(f"{storage.LOST}.{t.number}", "bad input: the sweep stopped before training")
             study.tell(t, state=TrialState.FAIL)
             raise
         except Exception as e:  # noqa: BLE001 - a combination the recipe rejects: this trial fails, the sweep goes on
