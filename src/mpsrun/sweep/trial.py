@@ -90,7 +90,7 @@ class DataCache:
 
 def run(
     resolved: Resolved, trial: Any, metric: str, pruner_name: str, parent_run_id: str, tracking_uri: str | None,
-    cache: DataCache, tags: dict[str, str], listener: Listener | None = None,
+    cache: DataCache, tags: dict[str, str], listener: Listener | None = None, tracker: Any = None,
 ) -> Outcome:
     """Train one trial's recipe as a child run; FAILED outcomes carry the error (the run holds its traceback).
 
@@ -116,7 +116,7 @@ def run(
             raise BadInput(f"sweep.metric: this run never logs '{metric}'{did_you_mean(metric, names)}; it logs {', '.join(names)}")
         setup.callbacks.append(report)
         try:
-            summary = runner.execute(setup, tracking_uri, listener, parent_run_id=parent_run_id, tags=tags)
+            summary = runner.execute(setup, tracking_uri, listener, parent_run_id=parent_run_id, tags=tags, tracker=tracker)
         except runner.RunFailed as e:
             return Outcome("FAILED", report.last, e.run_id or report.run_id, str(e))
         run_id = summary.run.run_id

@@ -125,16 +125,25 @@ def work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, A
     `mpsrun sweep --workers N` starts asking once every worker is there, so N trials run at once
     from the start (and worker 0 does not take the short sweep's trials alone while the others start).
     """
+    from mpsrun.track.helper import background
+    from mpsrun.track.store import client as store
+
+    # One MLflow helper process for all this worker's trials (as `mpsrun run` has one for its run): the
+    # trials' MLflow writes and records run there, on another core, beside the training.
+    uri, artifact_root = store.resolve_uri(job.tracking_uri)
+    experiment = resolved.recipe.tracking.experiment or resolved.path.stem
+    tracker = background.start(uri, experiment, artifact_root, device=resolved.recipe.device, keep_open=True)
     import torch
 
     threads = torch.get_num_threads()
     try:
-        return _work(job, resolved, index, on_end, ready)
+        return _work(job, resolved, index, on_end, ready, tracker)
     finally:
         torch.set_num_threads(threads)  # a worker in a longer-lived process (tests, notebooks) gives them back
+        tracker.close()
 
 
-def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, Any], None] | None, ready: Callable[[], None] | None) -> Tally:
+def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, Any], None] | None, ready: Callable[[], None] | None, tracker: Any) -> Tally:
     from optuna.trial import TrialState
 
     from mpsrun.recipe.sweep import trial_recipe
@@ -175,7 +184,7 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
             trial_resolved = trial_recipe(resolved, {**values, **placement})
             tags = {trial_mod.TRIAL_TAG: str(t.number), "mpsrun.sweep.study": job.study, "mpsrun.sweep": "trial",
                     **{f"mpsrun.sweep.param.{k}": json.dumps(v) for k, v in values.items()}}
-            outcome = trial_mod.run(trial_resolved, t, sweep.metric, sweep.pruner, job.parent_run_id, job.tracking_uri, cache, tags)
+            outcome = trial_mod.run(trial_resolved, t, sweep.metric, sweep.pruner, job.parent_run_id, job.tracking_uri, cache, tags, tracker=tracker)
         except KeyboardInterrupt as e:
             storage.mark_lost(study, t, f"interrupted ({getattr(e, 'name', 'SIGINT')})")
             _lost_run_after(t, marker, f"interrupted ({getattr(e, 'name', 'SIGINT')})")
