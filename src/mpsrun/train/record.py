@@ -143,7 +143,8 @@ class _Curves(Callback):
 
     def on_epoch_end(self, run: RunState, epoch: int, metrics: dict[str, float]) -> None:
         done = epoch + 1
-        if run.epochs > FIGURE_EVERY and done % FIGURE_EVERY == 0 and done < run.epochs and self.rec.setup.resolved.recipe.tracking.figures:
+        wanted = getattr(getattr(self.rec.setup.resolved.recipe, "tracking", None), "figures", True)  # tracking.figures: false skips them
+        if run.epochs > FIGURE_EVERY and done % FIGURE_EVERY == 0 and done < run.epochs and wanted:
             try:
                 hook(self.rec.tracker, "curves", list(run.history), _title(self.rec.setup, self.rec.tracker) + f", epoch {done}/{run.epochs}")
             except Exception as e:
