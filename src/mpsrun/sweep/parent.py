@@ -12,11 +12,11 @@ from typing import Any
 
 from mpsrun.recipe.load import Resolved
 from mpsrun.sweep import storage
-from mpsrun.sweep.trial import STATE_TAG
 from mpsrun.track.store import client as store
 from mpsrun.track.store import liveness
 
 ROLE = "mpsrun.sweep"  # "parent" or "trial"
+STATE_TAG, TRIAL_TAG = "mpsrun.sweep.state", "mpsrun.sweep.trial"  # on each trial's run: COMPLETE/PRUNED/FAILED, its number
 STUDY, STORAGE, TARGET = "mpsrun.sweep.study", "mpsrun.sweep.storage", "mpsrun.sweep.trials"
 OVERRIDES = "mpsrun.sweep.overrides"  # JSON list: `mpsrun resume PARENT_ID` resolves the recipe again with them
 PROGRESS = "mpsrun.sweep.progress"  # "done/target", refreshed after each trial

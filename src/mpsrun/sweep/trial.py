@@ -20,7 +20,7 @@ from mpsrun.train import runner
 from mpsrun.train.controls.callbacks import Callback, RunState
 from mpsrun.train.loop.engine import Listener
 
-STATE_TAG, TRIAL_TAG = "mpsrun.sweep.state", "mpsrun.sweep.trial"
+from mpsrun.sweep.parent import STATE_TAG, TRIAL_TAG  # noqa: F401 - the tags a trial's run carries
 
 
 class BadInput(Exception):
