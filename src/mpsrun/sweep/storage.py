@@ -58,10 +58,22 @@ def _sqlalchemy_url(url: str) -> str:
     return url
 
 
+def _quiet_heartbeat_warnings() -> None:
+    """Optuna warns that its heartbeat is experimental and meant for `study.optimize`; the ask/tell
+    loop here runs Optuna's own heartbeat thread per trial (`heartbeat_thread`), so users are not told."""
+    import warnings
+
+    from optuna.exceptions import ExperimentalWarning
+
+    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+    warnings.filterwarnings("ignore", category=ExperimentalWarning, message=".*(heartbeat|fail_stale_trials).*")
+
+
 def open_storage(url: str, on_failed: Callable[[Any, Any], None] | None = None, heartbeat_s: int = HEARTBEAT_S, grace_s: int = GRACE_S) -> Any:
     """An Optuna storage for `url` (journal:PATH, or a database URL with a heartbeat)."""
     import optuna
 
+    _quiet_heartbeat_warnings()
     if url.startswith("journal:"):
         path = Path(url.removeprefix("journal:"))
         path.parent.mkdir(parents=True, exist_ok=True)
