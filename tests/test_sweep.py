@@ -277,3 +277,15 @@ def test_a_trial_whose_heartbeat_stopped_is_failed_queued_again_and_not_counted(
     assert not storage.counted(trials[0], lost) and storage.budget(s, 1) == (0, 0)
     assert trials[1].state.name == "WAITING" and trials[1].user_attrs["mpsrun.retry_of"] == 0
     assert trials[1].system_attrs["fixed_params"] == {"optimizer.lr": trials[0].params["optimizer.lr"]}
+
+
+def test_a_trial_that_raises_before_training_is_a_failed_child_run_with_its_error(work: Workdir) -> None:
+    """An activation the signature allows but one value makes the model plugin raise: FAILED, error on its run, sweep goes on."""
+    path = recipe(work, "x.yaml", "sw9", "model.hidden: [[16], [-3]]", trials=2, sampler="grid")
+    r = work.cli("sweep", str(path))
+    assert r.exit_code == 0, r.output
+    _, kids = children(work, "sw9")
+    states = {k.data.params["model.hidden"]: (k.data.tags["mpsrun.sweep.state"], k.info.status) for k in kids}
+    assert states == {"[16]": ("COMPLETE", "FINISHED"), "[-3]": ("FAILED", "FAILED")}, states
+    bad = next(k for k in kids if k.data.params["model.hidden"] == "[-3]")
+    assert "mpsrun.error" in bad.data.tags

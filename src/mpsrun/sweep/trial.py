@@ -108,7 +108,8 @@ def run(
         except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 - out of memory moving the model, a plugin raising: this trial fails
-            return Outcome("FAILED", None, None, f"{type(e).__name__}: {e}")
+            run_id = record_failed(resolved, tracker, parent_run_id, tags, e, report)
+            return Outcome("FAILED", None, run_id, f"{type(e).__name__}: {e}")
         names = metric_names(setup)
         if metric not in names:
             from mpsrun.recipe.problems import did_you_mean
@@ -130,6 +131,24 @@ def run(
         device = setup.choice.device.type if setup is not None else None
         del setup
         release(device)
+
+
+def record_failed(resolved: Resolved, tracker: Any, parent_run_id: str, tags: dict[str, str], error: BaseException, report: Report) -> str | None:
+    """A child run for a trial that failed before training could start, holding its params and error (as bench cells get)."""
+    if tracker is None:
+        return None
+    from mpsrun.recipe.load import flatten
+
+    try:
+        info = tracker.start(resolved.recipe.tracking.run_name, {**tags, "device.requested": resolved.recipe.device, "device.actual": "none",
+                                                                 "mpsrun.recipe": str(resolved.path), "mpsrun.overrides": " ".join(resolved.overrides)}, parent_run_id)
+        tracker.log_params(flatten(resolved.as_dict()))
+        tracker.log_text(resolved.as_yaml(), "recipe.yaml")
+        tracker.finish("FAILED", error)
+    except Exception:  # noqa: BLE001 - the trial's outcome is in the study either way
+        return None
+    report.trial.set_user_attr("mpsrun.run_id", info.run_id)
+    return info.run_id
 
 
 def metric_names(setup: Any) -> list[str]:
