@@ -20,7 +20,8 @@ MAX_MODULES = 12  # modules side by side in one folder (its __init__ not counted
 
 # A wing may import the wings below it (and itself), never one above.
 ALLOWED = {
-    "cli": {"exitcodes", "cli", "bench", "train", "devices", "plugins", "recipe", "track", "top"},
+    "cli": {"exitcodes", "cli", "bench", "sweep", "train", "devices", "plugins", "recipe", "track", "top"},
+    "sweep": {"exitcodes", "sweep", "train", "devices", "plugins", "recipe", "track", "top"},  # Optuna trials through the runner
     "bench": {"bench", "train", "devices", "plugins", "recipe", "track", "top"},
     "train": {"exitcodes", "train", "devices", "plugins", "recipe", "track", "top"},
     "devices": {"devices", "train", "plugins", "recipe", "track", "top"},  # parity drives a training replica

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-from mpsrun.cli import run, plugins, devices, bench, resume, sync  # noqa: F401,I001  (registers the commands, in --help order)
+from mpsrun.cli import run, sweep, plugins, devices, bench, resume, sync  # noqa: F401,I001  (registers the commands, in --help order)
 from mpsrun.cli import eval as _eval  # noqa: F401,E402  (registers `mpsrun eval`)
 from mpsrun.cli import common
 from mpsrun.cli.common import EXIT_INTERRUPT, app, err

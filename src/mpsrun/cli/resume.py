@@ -44,6 +44,13 @@ def resume(
     from mpsrun.train.keep import resume as resumemod
 
     uri, _ = tracking.resolve_uri(tracking_uri)
+    from mpsrun.track.store.runs import get_run
+
+    found = get_run(uri, run_id)
+    if found is not None and found.data.tags.get("mpsrun.sweep") == "parent":  # a sweep goes on: its study, its parent
+        from mpsrun.cli.sweep import resume_sweep
+
+        return resume_sweep(found, overrides or [], tracking_uri, quiet)
     if in_a_job():  # one rank of a resumed job: started below, or by torchrun ... -m mpsrun resume ID
         if nproc is not None:
             raise bad_input("--nproc inside a job that a launcher (torchrun) already started; drop --nproc")
@@ -141,14 +148,15 @@ def _resume(uri: str, run_id: str, overrides: list[str], tracking_uri: Optional[
     console.print(f"MLflow: {summary.run.ui_hint()}  (browse: mpsrun ui)", highlight=False)
 
 
-RUNS_COLUMNS = ("run id", "experiment", "name", "status", "device", "epochs", "best", "started")
+RUNS_COLUMNS = ("run id", "experiment", "name", "status", "device", "epochs/trials", "best", "started")
 
 
 def _runs_cells(r) -> list[str]:  # type: ignore[no-untyped-def]
     done = "?" if r.epochs_done is None else str(r.epochs_done)
     planned = "?" if r.epochs_planned is None else str(r.epochs_planned)
     started = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.start_time / 1000)) if r.start_time else ""
-    return [r.run_id, r.experiment, r.name, r.shown, r.device, f"{done}/{planned}", r.best, started]
+    progress = r.sweep or f"{done}/{planned}"  # a sweep's parent: trials done of its budget
+    return [r.run_id, r.experiment, r.name, r.shown, r.device, progress, r.best, started]
 
 
 def aligned(rows: list[list[str]]) -> list[str]:
@@ -192,7 +200,7 @@ def runs(
 
         t = Table(box=None, pad_edge=False)
         for col in RUNS_COLUMNS:
-            t.add_column(col, no_wrap=col in ("run id", "status", "epochs"), overflow="fold")
+            t.add_column(col, no_wrap=col in ("run id", "status", "epochs/trials"), overflow="fold")
         colour = {"FINISHED": "green", "FAILED": "red", "KILLED": "yellow", "INTERRUPTED": "yellow", "RUNNING": "cyan"}
         for c in cells:
             t.add_row(*c[:3], f"[{colour.get(c[3], 'white')}]{c[3]}[/]", *c[4:])

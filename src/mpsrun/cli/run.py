@@ -39,6 +39,12 @@ def run(
 ) -> None:
     """Train a recipe and record metrics, timings and device facts in MLflow."""
     resolved = one_cell(resolve_recipe(recipe, overrides))  # a matrix pinned to one cell runs; more: use bench
+    if resolved.recipe.sweep is not None:  # trains the recipe's own values, as if the section were not there
+        from mpsrun.recipe.sweep import without_sweep
+
+        resolved = without_sweep(resolved)
+        err.print(f"[yellow]note:[/] the recipe's `sweep:` section is ignored by `mpsrun run`: it trains the recipe's own values "
+                  f"(search them with: mpsrun sweep {recipe})", highlight=False, soft_wrap=True)
     require_store(tracking_uri)  # an unreachable server: exit 2 in seconds, before any data loads
     if nproc > 1:  # N copies of this command, started by torch's elastic agent (as torchrun does)
         from mpsrun.cli.ranks import launch_ranks
@@ -147,6 +153,12 @@ def validate(recipe: Path = RecipeArg, overrides: Optional[List[str]] = Override
     """Check a recipe (and overrides) and print it resolved, or every problem found."""
     resolved = resolve_recipe(recipe, overrides)
     matrix_cells = cells(resolved)
+    if resolved.recipe.sweep is not None:  # every searched value checked as `mpsrun sweep` checks it
+        from mpsrun.cli.common import recipe_errors
+        from mpsrun.sweep.drive import check
+
+        with recipe_errors():
+            check(resolved)
     console.print(f"# {recipe}: valid", highlight=False)
     console.print(resolved.as_yaml(), highlight=False, markup=False)
     if matrix_cells:

@@ -83,8 +83,8 @@ def _pydantic_problems(err: ValidationError, src: RecipeSource) -> list[Problem]
         elif e["type"] == "missing":
             msg = "required key is missing"
         else:
-            found = e.get("input")
-            msg = f"{e['msg']} (found {found!r})"
+            found = repr(e.get("input"))
+            msg = f"{e['msg']} (found {found})" if len(found) <= 60 else e["msg"]  # a whole section is no help
         problems.append(Problem(path, msg, src.where(loc)))
     # Union errors repeat per branch: keep one line per path and message.
     seen, unique = set(), []
@@ -98,12 +98,31 @@ def _pydantic_problems(err: ValidationError, src: RecipeSource) -> list[Problem]
 
 def _fields_at(loc: tuple) -> list[str]:
     model: Any = Recipe
+    skip_key = False
     for part in loc:
+        if skip_key:  # a dict's key (a sweep's searched path): its values' model goes on
+            skip_key = False
+            continue
         f = model.model_fields.get(part) if hasattr(model, "model_fields") else None
         if f is None:
             return []
-        model = f.annotation
+        model, skip_key = _section_model(f.annotation)
     return list(model.model_fields) if hasattr(model, "model_fields") else []
+
+
+def _section_model(ann: Any) -> tuple[Any, bool]:
+    """The model inside `Optional[Model]`, `dict[str, Model]` or `Annotated[Model, ...]`; True for a dict."""
+    import typing
+
+    origin = typing.get_origin(ann)
+    if origin is dict:
+        return _section_model(typing.get_args(ann)[1])[0], True
+    if origin is typing.Annotated:
+        return _section_model(typing.get_args(ann)[0])
+    for arg in typing.get_args(ann) if origin is typing.Union or type(ann).__name__ == "UnionType" else ():
+        if hasattr(arg, "model_fields"):
+            return arg, False
+    return ann, False
 
 
 @dataclass
@@ -120,7 +139,8 @@ class Resolved:
         return self.source.path
 
     def as_dict(self) -> dict[str, Any]:
-        return self.recipe.model_dump(mode="json")
+        # No `sweep: null` in every run's params and recipe.yaml: the section exists only where written.
+        return self.recipe.model_dump(mode="json", exclude={"sweep"} if self.recipe.sweep is None else None)
 
     def as_yaml(self) -> str:
         return yaml.safe_dump(self.as_dict(), sort_keys=False)

@@ -11,7 +11,7 @@ import re
 import warnings
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from mpsrun.recipe.augment import AugmentStep
@@ -45,6 +45,7 @@ class TrackingSection(BaseModel):
     log_model: bool = Field(True, description="log the trained model with mlflow.pytorch (artifact `model`: signature, input example, requirements)")
     register: str | None = Field(None, description="register the logged model as a new version of this registered model")
     system_metrics: bool = Field(True, description="sample CPU, memory, disk, network and GPU (NVIDIA, MPS) as system/... metrics")
+    figures: bool = Field(True, description="draw the run's figures (learning curves, confusion matrix or predictions); `mpsrun sweep` trials default to false")
 
     @field_validator("tags", mode="before")
     @classmethod
@@ -110,6 +111,102 @@ def _matrix_key(key: str) -> str:
 
 
 MatrixKey = Annotated[str, AfterValidator(_matrix_key)]
+
+
+# Metric names whose better direction is known: a sweep's `mode` defaults from them.
+LOWER_IS_BETTER = ("loss", "mae", "rmse", "mse", "time_s", "grad_norm")
+HIGHER_IS_BETTER = ("accuracy", "r2", "samples_per_s")
+SAMPLERS = ("tpe", "random", "grid", "cmaes", "qmc")
+PRUNERS = ("none", "median", "hyperband", "successive_halving")
+
+
+def metric_mode(metric: str) -> Literal["min", "max"] | None:
+    """min for losses and errors, max for accuracy and r2; None when the name does not say."""
+    if metric.endswith(LOWER_IS_BETTER):
+        return "min"
+    if metric.endswith(HIGHER_IS_BETTER):
+        return "max"
+    return None
+
+
+def _choices(v: Any) -> Any:
+    """`optimizer.name: [sgd, adam]` is a choice list; a mapping is a range."""
+    return {"choices": v} if isinstance(v, list) else v
+
+
+class SweepParam(BaseModel):
+    """One searched path: `choices` (written as a plain list), or a range `low`..`high` (`step`, `log`).
+
+    Integer bounds (and step) make an integer range; any float makes a float range.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    choices: list[Any] | None = None
+    low: Union[int, float, None] = None
+    high: Union[int, float, None] = None
+    step: Union[int, float, None] = Field(None, gt=0)
+    log: bool = False
+
+    @model_validator(mode="after")
+    def _coherent(self) -> "SweepParam":
+        if self.choices is not None:
+            if not self.choices:
+                raise PydanticCustomError("sweep_choices", "an empty choice list: give at least one value")
+            if self.low is not None or self.high is not None or self.step is not None or self.log:
+                raise PydanticCustomError("sweep_param", "either a choice list or a range (low, high), not both")
+            return self
+        if self.low is None or self.high is None:
+            raise PydanticCustomError("sweep_range", "a range needs both low and high (or write a list of choices)")
+        if self.low > self.high:
+            raise PydanticCustomError("sweep_range", "low {low} is above high {high}", {"low": self.low, "high": self.high})
+        if self.log and self.low <= 0:
+            raise PydanticCustomError("sweep_range", "a log range must start above 0, not at {low}", {"low": self.low})
+        if self.log and self.step is not None:
+            raise PydanticCustomError("sweep_range", "log and step do not go together (Optuna samples a log range continuously)")
+        return self
+
+    @property
+    def is_int(self) -> bool:
+        return self.choices is None and all(isinstance(v, int) and not isinstance(v, bool) for v in (self.low, self.high, self.step) if v is not None)
+
+    def candidates(self) -> list[Any]:
+        """Values worth checking against the recipe before anything runs: every choice, or both ends."""
+        return list(self.choices) if self.choices is not None else [self.low, self.high]
+
+
+def _sweep_key(key: str) -> str:
+    problem = key_problem(key)
+    if key in SPECIAL or key.split(".")[0] in ("sweep", "tracking", "device_fallback"):
+        problem = problem or f"'{key.split('.')[0]}' cannot be searched"
+    if problem:
+        raise PydanticCustomError("sweep_key", problem.replace("inside a matrix", "in a sweep"))
+    return key
+
+
+SweepKey = Annotated[str, AfterValidator(_sweep_key)]
+SweepValue = Annotated[
+    SweepParam,
+    BeforeValidator(_choices),
+    WithJsonSchema({"anyOf": [{"type": "array", "minItems": 1}, {"type": "object", "properties": {
+        "low": {"type": "number"}, "high": {"type": "number"}, "step": {"type": "number"}, "log": {"type": "boolean"}},
+        "additionalProperties": False}]}),
+]
+
+
+class SweepSection(BaseModel):
+    """What `mpsrun sweep` searches (Optuna); `mpsrun run` ignores this section and trains the recipe's own values."""
+
+    model_config = ConfigDict(extra="forbid")
+    metric: str = Field("val_loss", description="a metric every epoch logs; a trial's value is its last epoch's")
+    mode: Union[Literal["min", "max"], None] = Field(None, description="min or max; default from the metric's name (min for loss/mae/rmse, max for accuracy/r2)")
+    trials: int = Field(20, ge=1, description="finished trials (COMPLETE, PRUNED or FAILED by their own doing) the study holds when the sweep ends")
+    sampler: Literal["tpe", "random", "grid", "cmaes", "qmc"] = Field("tpe", description="Optuna sampler, seeded from the recipe's seed")
+    pruner: Literal["none", "median", "hyperband", "successive_halving"] = Field("none", description="Optuna pruner; the metric is reported every epoch")
+    params: dict[SweepKey, SweepValue] = Field(..., min_length=1, description="dotted recipe path -> [choices] or {low, high, step, log}")
+
+    def direction(self) -> Literal["min", "max"] | None:
+        """`mode`, else what the metric's name says (None: it does not say; the sweep asks for `mode:`)."""
+        return self.mode or metric_mode(self.metric)
 
 
 class Recipe(BaseModel):
@@ -179,6 +276,9 @@ class Recipe(BaseModel):
     )
     repeats: int = Field(1, ge=1, description="runs of each matrix cell; the table reports medians and spread")
 
+    # Searches (`mpsrun sweep`): Optuna trials, each a child run; `mpsrun run` ignores the section.
+    sweep: Union[SweepSection, None] = None
+
     @field_validator("device_fallback", mode="before")
     @classmethod
     def _fallback_list(cls, v: Any) -> Any:
@@ -194,7 +294,7 @@ class Recipe(BaseModel):
 
 
 SPECIAL = ("include", "exclude")
-_NOT_AXES = ("matrix", "repeats")
+_NOT_AXES = ("matrix", "repeats", "sweep")
 
 
 def key_problem(key: str) -> str | None:

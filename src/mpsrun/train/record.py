@@ -165,7 +165,8 @@ class _Curves(Callback):
 
     def on_epoch_end(self, run: RunState, epoch: int, metrics: dict[str, float]) -> None:
         done = epoch + 1
-        if run.epochs > FIGURE_EVERY and done % FIGURE_EVERY == 0 and done < run.epochs:
+        wanted = getattr(getattr(self.rec.setup.resolved.recipe, "tracking", None), "figures", True)  # tracking.figures: false skips them
+        if run.epochs > FIGURE_EVERY and done % FIGURE_EVERY == 0 and done < run.epochs and wanted:
             try:
                 hook(self.rec.tracker, "curves", list(run.history), _title(self.rec.setup, self.rec.tracker) + f", epoch {done}/{run.epochs}")
             except Exception as e:
@@ -216,13 +217,17 @@ def end(rec: Recorder, result: "TrainResult") -> None:
     r = setup.resolved.recipe
     t0 = time.perf_counter()
     title = _title(setup, tracker)
-    try:
-        predictions: Any = predict_val(setup)
-        if setup.objective is not None and setup.objective.task == "regression":  # the figure in the target's units
-            predictions = target_units(*predictions, setup.splits.info or {})
-    except Exception as e:  # the learning curves are still drawn
-        predictions = f"{type(e).__name__}: {e}"
-    drawn = hook_later(tracker, "end_figures", [e.metrics() for e in result.epochs], title, predictions, _classes(setup))
+    if r.tracking.figures:
+        try:
+            predictions: Any = predict_val(setup)
+            if setup.objective is not None and setup.objective.task == "regression":  # the figure in the target's units
+                predictions = target_units(*predictions, setup.splits.info or {})
+        except Exception as e:  # the learning curves are still drawn
+            predictions = f"{type(e).__name__}: {e}"
+        drawn = hook_later(tracker, "end_figures", [e.metrics() for e in result.epochs], title, predictions, _classes(setup))
+    else:
+        tracker.set_tags({"mpsrun.figures": "skipped (tracking.figures: false)"})
+        drawn = list  # no notes
     summary = result.summary()
     tracker.set_tags({"mlflow.note.content": standard.note(r.model.name, r.dataset.name, str(setup.choice.device), len(result.epochs), summary, result.stop_reason)})
     try:

@@ -7,6 +7,8 @@ nothing of MLflow or YAML.
 
 from __future__ import annotations
 
+import copy
+
 import inspect
 import json
 import random
@@ -160,8 +162,12 @@ def build_optimizer(recipe: Recipe, model: nn.Module, graphs: bool) -> torch.opt
     return optimizer
 
 
-def prepare(resolved: Resolved) -> Setup:
-    """Device, data, model, optimizer and options; raises InputError for bad input."""
+def prepare(resolved: Resolved, splits: DataSplits | None = None) -> Setup:
+    """Device, data, model, optimizer and options; raises InputError for bad input.
+
+    `splits`: the dataset already built from the same `dataset:` section and seed (a sweep's
+    worker builds it once for all its trials); the model's seed is set after it either way.
+    """
     recipe = resolved.recipe
     try:
         choice = devices.resolve(recipe.device, recipe.device_fallback)
@@ -175,7 +181,8 @@ def prepare(resolved: Resolved) -> Setup:
         except ValueError as e:
             raise InputError(str(e)) from None
     seed_everything(recipe.seed)
-    splits = build_data(recipe, resolved)
+    # a sweep worker's splits are shared by its trials: augment a copy (augment_data replaces its transform)
+    splits = build_data(recipe, resolved) if splits is None else copy.copy(splits)
     aug = augment_data(recipe, splits)
     seed_everything(recipe.seed)  # the model's initial weights depend on the seed alone
     model = build_model(recipe, splits)

@@ -66,12 +66,14 @@ def may_run_on_mps(device: str | None) -> bool:
     return platform.system() == "Darwin" and (device or "auto").split(":")[0] in ("mps", "auto")
 
 
-def start(uri: str, experiment: str, artifact_root: str | None = None, mode: str | None = None, device: str | None = None) -> "BackgroundTracker":
+def start(uri: str, experiment: str, artifact_root: str | None = None, mode: str | None = None, device: str | None = None,
+          keep_open: bool = False) -> "BackgroundTracker":
     """Begin MLflow set-up now (import, client, store checks, experiment look-up); returns at once.
 
     `device`: the recipe's; auto mode keeps the tracker in this process where it may be MPS.
+    `keep_open`: runs one after another (`close()` when done), as a sweep's worker does.
     """
-    return BackgroundTracker(uri, experiment, artifact_root, mode, device)
+    return BackgroundTracker(uri, experiment, artifact_root, mode, device, keep_open)
 
 
 class BackgroundTracker:
@@ -81,8 +83,10 @@ class BackgroundTracker:
     found while preparing (exit 2) leaves no run and no experiment behind (`close()`).
     """
 
-    def __init__(self, uri: str, experiment: str, artifact_root: str | None = None, mode: str | None = None, device: str | None = None) -> None:
+    def __init__(self, uri: str, experiment: str, artifact_root: str | None = None, mode: str | None = None, device: str | None = None,
+                 keep_open: bool = False) -> None:
         self.uri, self.experiment, self.artifact_root = uri, experiment, artifact_root
+        self.keep_open = keep_open  # one run after another in the same helper (a sweep's worker): `finish` leaves it running
         self.mode, self.mode_reason = choose_mode(mode)
         if self.mode == "process" and self.mode_reason == "auto" and may_run_on_mps(device):
             self.mode, self.mode_reason = "thread", "auto: on MPS the system metrics read torch.mps memory of the training process"
@@ -171,6 +175,7 @@ class BackgroundTracker:
 
     # -- the Tracker surface the runner uses; anything else is forwarded by __getattr__
     def start(self, run_name: str | None, tags: dict[str, str], parent_run_id: str | None = None) -> store.RunInfo:
+        self._journal, self._handoff_s, self._final, self._run_id = [], 0.0, None, None  # a run of its own (keep_open: not the first)
         tags = {**tags, "mpsrun.mlflow_helper": f"{self.mode} ({self.mode_reason})"}
         self._tags = tags
         tracker = self._ready()
@@ -292,6 +297,8 @@ class BackgroundTracker:
             tb = "".join(traceback.format_exception(type(error), error, error.__traceback__))
             self._call("finish_text", status, f"{type(error).__name__}: {error}", tb)
         if self._remote is None:  # the helper died on the way: finished here
+            return
+        if self.keep_open:  # the next run starts in the same helper; its figures stay readable live
             return
         try:
             self._final = self._remote.values()  # log_time_s and friends stay readable after the helper ends

@@ -123,6 +123,8 @@ class Tracker:
             tags["mlflow.parentRunId"] = parent_run_id
         run = self.c.create_run(self.experiment_id, run_name=run_name, tags=tags)
         self.run_id = run.info.run_id
+        self.log_time_s = self.log_time_during_s = self.handoff_time_s = 0.0  # per run (a sweep's worker hosts one run after another)
+        self._errors = []
         self.artifact_uri = run.info.artifact_uri
         self.outbox.bind(self.run_id)
         self._stop.clear()

@@ -41,6 +41,7 @@ class RunRow:
     start_time: int | None  # ms since the epoch
     why: str  # how liveness was judged, for RUNNING runs
     resumable: bool
+    sweep: str = ""  # a sweep's parent run: its progress, "done/target trials"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,6 +89,14 @@ def row(run: Any, experiment: str) -> RunRow:
             shown = "INTERRUPTED"
     best = _best(tags, metrics)
     has_ckpt = "mpsrun.checkpoint.epoch" in tags
+    sweep = ""
+    if tags.get("mpsrun.sweep") == "parent":  # written by mpsrun.sweep.parent (track knows only the tag names)
+        sweep = f"{tags.get('mpsrun.sweep.progress', '0/' + tags.get('mpsrun.sweep.trials', '?'))} trials"
+        if "best_value" in metrics:
+            best = f"{tags.get('mpsrun.sweep.metric', 'best')} {metrics['best_value']:.4g} (trial {tags.get('mpsrun.sweep.best_trial', '?')})"
+        done, _, target = tags.get("mpsrun.sweep.progress", "0/1").partition("/")
+        unfinished = not (done.isdigit() and target.isdigit() and int(done) >= int(target))
+        has_ckpt = shown in ("INTERRUPTED", "KILLED", "FAILED") or (unfinished and shown != "RUNNING")
     return RunRow(
         run_id=run.info.run_id,
         experiment=experiment,
@@ -100,7 +109,8 @@ def row(run: Any, experiment: str) -> RunRow:
         best=best,
         start_time=run.info.start_time,
         why=why,
-        resumable=has_ckpt and shown in ("INTERRUPTED", "KILLED", "FAILED"),
+        resumable=has_ckpt and (shown in ("INTERRUPTED", "KILLED", "FAILED") or bool(sweep)),
+        sweep=sweep,
     )
 
 

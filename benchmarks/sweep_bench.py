@@ -1,0 +1,167 @@
+"""`mpsrun sweep` against what it replaces, measured side by side with the real commands.
+
+(a) ``--device cpu`` (the 2-core target): a 16-trial sweep of the digits MLP, 1 epoch a
+    trial, one worker, against ONE ``mpsrun run`` of the same recipe. Target: the sweep's
+    wall time at most 4x the single run's (a process per trial would be ~16x).
+(b) ``--device cuda`` (the H100 target): a 32-trial sweep of the FashionMNIST MLP (2 epochs a trial) (written
+    here with mpsrun.testing.idx, 60000 + 10000 images) with ``--workers 4`` against
+    ``--workers 1``. Target: at most 0.5x the wall time.
+
+Every figure is the wall time of a real command (``sys.executable -m mpsrun ...``) in a
+working folder of its own; each folder's MLflow store is created first by an untimed
+warm-up run, so no timed command pays the store's creation. Prints a markdown table.
+
+    python benchmarks/sweep_bench.py --device cpu
+    python benchmarks/sweep_bench.py --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DIGITS = """\
+device: cpu
+epochs: 1
+batch_size: 32
+seed: 0
+dataset:
+  name: digits
+model:
+  name: mlp
+  hidden: [64]
+optimizer:
+  name: sgd
+  lr: 0.05
+tracking:
+  experiment: sweep_bench
+sweep:
+  metric: val_loss
+  trials: {trials}
+  sampler: tpe
+  params:
+    optimizer.lr: {{low: 1.0e-3, high: 0.5, log: true}}
+    model.hidden: [[32], [64], [128, 64]]
+"""
+
+FASHION = """\
+device: cuda
+epochs: 2
+batch_size: 256
+seed: 0
+dataset:
+  name: fashion_mnist
+  root: {root}
+  download: false
+model:
+  name: mlp
+  hidden: [512, 512]
+optimizer:
+  name: sgd
+  lr: 0.05
+tracking:
+  experiment: sweep_bench_fashion
+sweep:
+  metric: val_loss
+  trials: {trials}
+  sampler: tpe
+  params:
+    optimizer.lr: {{low: 1.0e-3, high: 0.5, log: true}}
+    optimizer.momentum: {{low: 0.0, high: 0.95}}
+    batch_size: [128, 256, 512]
+"""
+
+
+def timed(args: list[str], cwd: Path) -> float:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "mpsrun", *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        sys.exit(f"`mpsrun {' '.join(args)}` exited {p.returncode}:\n{p.stdout[-4000:]}")
+    return wall
+
+
+def folder(base: Path, name: str, text: str) -> tuple[Path, Path]:
+    d = base / name
+    d.mkdir()
+    recipe = d / "recipe.yaml"
+    recipe.write_text(text)
+    return d, recipe
+
+
+def cpu(base: Path, trials: int, repeats: int) -> list[tuple[str, float, str]]:
+    """Interleaved (run, sweep) pairs, each sweep a new study (--study), medians reported: a shared machine's load drifts."""
+    import statistics
+
+    d, recipe = folder(base, "digits", DIGITS.format(trials=trials))
+    timed(["run", str(recipe), "-q"], d)  # warm-up: creates the store, fills the page cache
+    ones, sweeps = [], []
+    for i in range(repeats):
+        ones.append(timed(["run", str(recipe), "-q"], d))
+        sweeps.append(timed(["sweep", str(recipe), "--study", f"bench{i}", "-q"], d))
+    one, sweep = statistics.median(ones), statistics.median(sweeps)
+    ratios = sorted(s / o for s, o in zip(sweeps, ones))
+    return [
+        (f"one `mpsrun run` (1 epoch), median of {repeats}", one, "1.00x"),
+        (f"`mpsrun sweep`, {trials} trials, 1 worker, median of {repeats}", sweep,
+         f"{sweep / one:.2f}x (target <= 4x; pairs {', '.join(f'{r:.2f}x' for r in ratios)})"),
+        (f"a process per trial ({trials} x one run, computed)", trials * one, f"{trials:.2f}x"),
+    ]
+
+
+def cuda(base: Path, trials: int, workers: list[int]) -> list[tuple[str, float, str]]:
+    from mpsrun.testing.idx import write_idx_dataset
+
+    data = base / "data"
+    write_idx_dataset(data, "FashionMNIST", n_train=60000, n_test=10000, seed=0)
+    rows: list[tuple[str, float, str]] = []
+    first = None
+    for n in workers:
+        d, recipe = folder(base, f"fashion_w{n}", FASHION.format(root=data, trials=trials))
+        timed(["run", str(recipe), "-q"], d)  # warm-up: the store, CUDA's first context, the page cache
+        wall = timed(["sweep", str(recipe), "--workers", str(n), "-q"], d)
+        first = first or wall
+        rows.append((f"`mpsrun sweep`, {trials} trials, --workers {n}", wall, f"{wall / first:.2f}x" + (" (target <= 0.5x)" if n != workers[0] else "")))
+    return rows
+
+
+def machine(device: str) -> str:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    text = f"{platform.processor() or platform.machine()}, {cores} cores, Python {platform.python_version()}"
+    if device == "cuda":
+        import torch
+
+        text += f", {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}"
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--trials", type=int, default=None, help="default: 16 on cpu, 32 on cuda")
+    ap.add_argument("--workers", default="1,4", help="cuda: worker counts to compare (the first is the baseline)")
+    ap.add_argument("--repeats", type=int, default=3, help="cpu: interleaved (run, sweep) pairs; medians reported")
+    a = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="sweep-bench-") as tmp:
+        base = Path(tmp)
+        if a.device == "cpu":
+            rows = cpu(base, a.trials or 16, a.repeats)
+        else:
+            rows = cuda(base, a.trials or 32, [int(x) for x in a.workers.split(",")])
+    print(f"\nmachine: {machine(a.device)}\ncommand: python benchmarks/sweep_bench.py --device {a.device}\n")
+    print("| what | wall (s) | vs baseline |")
+    print("| --- | ---: | ---: |")
+    for what, wall, ratio in rows:
+        print(f"| {what} | {wall:.1f} | {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

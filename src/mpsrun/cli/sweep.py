@@ -1,0 +1,120 @@
+"""`sweep`: search a recipe's `sweep:` section with Optuna; each trial a child run of one parent run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from mpsrun.cli.common import OverridesArg, RecipeArg, app, bad_input, console, err, recipe_errors, require_store, resolve_recipe
+
+
+@app.command()
+def sweep(
+    recipe: Path = RecipeArg,
+    overrides: Optional[List[str]] = OverridesArg,
+    trials: Optional[int] = typer.Option(None, "--trials", min=1, show_default=False, help="Finished trials the study should hold; default: the recipe's sweep.trials."),
+    workers: int = typer.Option(1, "--workers", min=1, help="Trials at once on this machine (one GPU each where there are several; else torch threads divided)."),
+    storage: Optional[str] = typer.Option(None, "--storage", show_default=False, help="Optuna storage: postgresql://... for workers on several machines; default: a journal file beside the MLflow store."),
+    study: Optional[str] = typer.Option(None, "--study", show_default=False, help="Study name; default: the recipe's tracking.experiment, else its file name. The same name continues the same study."),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow tracking URI; default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlruns/mlflow.db."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the summary at the end."),
+) -> None:
+    """Search the recipe's `sweep:` section with Optuna; every trial an MLflow child run of one parent run."""
+    resolved = resolve_recipe(recipe, overrides)
+    if resolved.recipe.matrix:
+        raise bad_input("a recipe with `matrix:` cannot be swept: run its cells with `mpsrun bench`, or drop the matrix")
+    from mpsrun.sweep import drive
+
+    with recipe_errors():
+        p = drive.plan(resolved, trials, workers, storage, study, tracking_uri)
+    require_store(tracking_uri)
+    run_plan(p, quiet)
+
+
+def run_plan(p, quiet: bool) -> None:  # type: ignore[no-untyped-def]
+    """Open the study and its parent run, run the workers, print progress and the result; exits with its code."""
+    import time
+
+    from mpsrun.sweep import drive, parent, results, storage
+
+    try:
+        study = drive.create_study(p)
+    except Exception as e:  # noqa: BLE001 - a database that does not answer, a journal we cannot write
+        raise bad_input(f"cannot open the Optuna storage {storage.shown(p.storage_url)}: {type(e).__name__}: {e}") from None
+    parent_id, new = parent.open_parent(p.resolved, study, p.storage_url, p.target, p.tracking_uri)
+    before = results.summarise(p.resolved, study)
+    sw = p.resolved.recipe.sweep
+    console.print(
+        f"[bold]mpsrun sweep[/] {p.resolved.path}  study '{p.study}' ({storage.shown(p.storage_url)})  "
+        f"{'new' if new else f'continued: {before.done} of {p.target} trials done'}  "
+        f"sampler={sw.sampler} pruner={sw.pruner} {sw.metric} ({sw.direction()})  workers={p.workers}  parent run {parent_id}",
+        highlight=False, soft_wrap=True,
+    )
+    for note in p.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    start = time.monotonic()
+
+    def on_end(end, study) -> None:  # type: ignore[no-untyped-def]
+        s = results.summarise(p.resolved, study)
+        parent.progress(p.tracking_uri, parent_id, s.done, p.target)
+        if quiet:
+            return
+        o = end.outcome
+        what = f"{sw.metric} {o.value:.6g}" if o.value is not None else o.message[:120]
+        best = f"best {s.best_value:.6g} (trial {s.best_number}: {_values(s.best_values)})" if s.best_value is not None else "no best yet"
+        console.print(
+            f"trial {end.number} {o.state} {what} in {end.seconds:.1f} s | done {s.done}/{p.target}: "
+            f"{s.complete} complete, {s.pruned} pruned, {s.failed} failed | {best} {drive.eta(start, before.done, s.done, p.target)}",
+            highlight=False, soft_wrap=True,
+        )
+
+    out = drive.run(p, study, parent_id, on_end)
+    s = out.summary
+    for note in out.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+    console.print(
+        f"sweep: {s.done} trials ({s.complete} complete, {s.pruned} pruned, {s.failed} failed"
+        f"{f', {s.lost} lost and retried' if s.lost else ''}) in {time.monotonic() - start:.1f} s",
+        highlight=False,
+    )
+    if s.best_value is not None:
+        console.print(f"best: {sw.metric} {s.best_value:.6g}  trial {s.best_number}  {_values(s.best_values)}  (run {s.best_run_id})", highlight=False, soft_wrap=True)
+        console.print(f"best recipe: the parent run's best_recipe.yaml (mpsrun run it to train the best trial again)", highlight=False)
+    console.print(f"MLflow: parent run {parent_id}  (browse: mpsrun ui; continue: mpsrun resume {parent_id})", highlight=False)
+    if out.message:
+        err.print(f"[red]{'error' if out.exit_code == 2 else 'stopped'}:[/] {out.message}", highlight=False, soft_wrap=True)
+    if out.exit_code:
+        raise typer.Exit(out.exit_code)
+
+
+def _values(values: dict) -> str:  # type: ignore[type-arg]
+    import json
+
+    return " ".join(f"{k}={json.dumps(v)}" for k, v in values.items())
+
+
+
+def resume_sweep(run, overrides: list, tracking_uri: Optional[str], quiet: bool) -> None:  # type: ignore[no-untyped-def,type-arg]
+    """`mpsrun resume PARENT_ID`: the same recipe, overrides, study and storage, until the study holds its trials.
+
+    The budget is the one the sweep last ran with (`mpsrun.sweep.trials`), or `sweep.trials=N` given here.
+    """
+    import json
+
+    from mpsrun.sweep import drive, parent
+
+    tags = run.data.tags
+    recipe = Path(tags.get("mpsrun.recipe", ""))
+    if not recipe.is_file():
+        raise bad_input(
+            f"the sweep's recipe {recipe} is not here; its text is the parent run's artifact sweep_recipe.yaml: "
+            f"save it and run `mpsrun sweep FILE --study {tags.get(parent.STUDY)} --storage {tags.get(parent.STORAGE)}`"
+        )
+    resolved = resolve_recipe(recipe, json.loads(tags.get(parent.OVERRIDES, "[]")) + list(overrides))
+    with recipe_errors():
+        target = None if any(o.startswith("sweep.trials=") for o in overrides) else int(tags.get(parent.TARGET, "0")) or None
+        p = drive.plan(resolved, target, 1, tags.get(parent.STORAGE), tags.get(parent.STUDY), tracking_uri)
+    require_store(tracking_uri)
+    run_plan(p, quiet)

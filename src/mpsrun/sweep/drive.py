@@ -1,0 +1,193 @@
+"""`mpsrun sweep` from a resolved recipe to a finished study: checks, study, parent run, workers, results.
+
+Bad input is found before anything heavy (`plan`): the section itself (Pydantic, in the
+recipe wing), every value against the recipe and its plugins (`recipe.sweep.check_values`),
+what the sampler can search, and a metric name no run logs. What only the data can tell
+(the task's metrics) is checked by the first trial before it trains (trial.BadInput).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from mpsrun.plugins.components import METRICS
+from mpsrun.recipe.load import Resolved
+from mpsrun.recipe.problems import did_you_mean
+from mpsrun.sweep import space, storage
+from mpsrun.sweep.worker import Job, TrialEnd
+
+# What an epoch can log whatever the task (train.assemble.ALWAYS, engine.EpochMetrics), kept here so that
+# bad input is answered without importing torch; tests/test_sweep_recipe.py keeps the two lists together.
+EPOCH_METRICS = ("train_loss", "val_loss", "lr", "epoch_time_s", "train_time_s", "val_time_s", "train_samples_per_s", "memory_bytes", "grad_norm")
+
+
+@dataclass
+class Plan:
+    resolved: Resolved
+    storage_url: str
+    study: str
+    tracking_uri: str | None
+    target: int
+    workers: int
+    notes: list[str] = field(default_factory=list)
+
+
+def possible_metrics(resolved: Resolved) -> list[str]:
+    return list(EPOCH_METRICS) + sorted({f"val_{m}" for ms in METRICS.values() for m in ms})
+
+
+def plan(resolved: Resolved, trials: int | None, workers: int, storage_url: str | None, study: str | None, tracking_uri: str | None) -> Plan:
+    """Everything checked that can be without data; raises RecipeError (exit 2) naming the line."""
+    from mpsrun.track.store import client as store
+
+    sweep = check(resolved)
+    target = trials or sweep.trials
+    notes = []
+    if sweep.sampler == "grid" and target > space.grid_size(sweep):
+        notes.append(f"sampler grid: {space.grid_size(sweep)} points, so {space.grid_size(sweep)} trials rather than {target}")
+        target = space.grid_size(sweep)
+    uri, _ = store.resolve_uri(tracking_uri)
+    url = storage_url or storage.default_url(uri)
+    name = study or resolved.recipe.tracking.experiment or resolved.path.stem
+    return Plan(resolved, url, name, tracking_uri, target, workers, notes)
+
+
+def check(resolved: Resolved) -> Any:
+    """The sweep section checked as far as it can be without data (`mpsrun validate` too); RecipeError otherwise."""
+    from mpsrun.recipe import sweep as rs
+
+    sweep = rs.section(resolved)
+    names = possible_metrics(resolved)
+    if sweep.metric not in names:
+        raise rs.problem(resolved, ("sweep", "metric"), f"no run logs '{sweep.metric}'{did_you_mean(sweep.metric, names)}; metrics: {', '.join(names)}")
+    if sweep.direction() is None:
+        raise rs.problem(resolved, ("sweep", "metric"), f"cannot tell whether a lower or higher '{sweep.metric}' is better: add `mode: min` or `mode: max`")
+    rs.check_values(resolved)
+    try:
+        space.check(sweep)
+    except space.SpaceError as e:
+        raise rs.problem(resolved, e.path, str(e)) from None
+    return sweep
+
+
+def create_study(p: Plan) -> Any:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sweep = p.resolved.recipe.sweep
+    assert sweep is not None
+    st = storage.open_storage(p.storage_url)
+    direction = "minimize" if sweep.direction() == "min" else "maximize"
+    return optuna.create_study(study_name=p.study, storage=st, direction=direction, load_if_exists=True)
+
+
+@dataclass
+class Outcome:
+    exit_code: int
+    parent_run_id: str
+    summary: Any
+    notes: list[str]
+    message: str = ""
+
+
+def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any], None] | None = None) -> Outcome:
+    """Worker 0 here, workers 1..N-1 as processes; signals stop them all cleanly; results on the parent."""
+    from mpsrun.exitcodes import EXIT_FAIL, EXIT_INPUT, EXIT_OK
+    from mpsrun.sweep import parent, results
+    from mpsrun.sweep import trial as trial_mod
+    from mpsrun.sweep import worker
+    from mpsrun.train.keep import interrupt
+
+    job = Job(str(p.resolved.path), p.resolved.overrides, p.storage_url, p.study, p.tracking_uri, parent_run_id, p.target,
+              p.workers, len(study.get_trials(deepcopy=False)))
+    procs: list[subprocess.Popen] = []
+    code, message = EXIT_OK, ""
+    status = "FINISHED"
+    try:
+        with interrupt.stop_on_signals():
+            waiting = []
+            for i in range(1, p.workers):
+                r, w = os.pipe()
+                procs.append(subprocess.Popen([sys.executable, "-m", "mpsrun.sweep.worker", str(i), job.to_json(), str(w)],
+                                              start_new_session=True, pass_fds=(w,)))
+                os.close(w)
+                waiting.append(r)
+            try:
+                worker.work(job, p.resolved, 0, on_end, ready=lambda: _all_ready(waiting))
+            except trial_mod.BadInput as e:
+                code, message = EXIT_INPUT, str(e)
+                _signal(procs, signal.SIGTERM)
+            codes = _wait(procs)
+    except KeyboardInterrupt as e:
+        _signal(procs, getattr(e, "signum", signal.SIGINT))
+        _wait(procs)
+        code, status = interrupt.exit_code(e), "KILLED"
+        message = f"interrupted ({getattr(e, 'name', 'SIGINT')})"
+        codes = []
+    if code == EXIT_OK and EXIT_INPUT in codes:
+        code, message = EXIT_INPUT, "a worker stopped on bad input (its message is above)"
+    summary, notes = results.publish(p.resolved, study, parent_run_id, p.tracking_uri, p.target)
+    if code == EXIT_OK:
+        interrupted = [c for c in codes if c in (130, 143)]
+        if interrupted:
+            code, status = interrupted[0], "KILLED"
+        elif summary.complete == 0:
+            code, status = EXIT_FAIL, "FAILED"
+            message = "no trial completed"
+    elif code == EXIT_INPUT:
+        status = "FAILED"
+    parent.close(p.tracking_uri, parent_run_id, status)
+    return Outcome(code, parent_run_id, summary, notes, message)
+
+
+def _all_ready(fds: list[int], timeout_s: float = 300.0) -> None:
+    """Wait until every extra worker has said it is ready (or has ended: its pipe closes), then trials begin."""
+    import select
+
+    deadline = time.monotonic() + timeout_s
+    open_fds = list(fds)
+    while open_fds and time.monotonic() < deadline:
+        readable, _, _ = select.select(open_fds, [], [], max(0.0, deadline - time.monotonic()))
+        for fd in readable:
+            os.read(fd, 64)  # "ready", or b"" when the worker ended first
+            os.close(fd)
+            open_fds.remove(fd)
+    for fd in open_fds:
+        os.close(fd)
+
+
+def _signal(procs: list[subprocess.Popen], sig: int) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+
+def _wait(procs: list[subprocess.Popen], timeout_s: float = 120.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    out = []
+    for proc in procs:
+        try:
+            out.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out.append(proc.wait())
+    return out
+
+
+def eta(start: float, done_at_start: int, done: int, target: int) -> str:
+    """Remaining time at the pace of this command's finished trials (all workers together)."""
+    made = done - done_at_start
+    if made <= 0 or done >= target:
+        return ""
+    left = (time.monotonic() - start) / made * (target - done)
+    return f"ETA {int(left // 60)}m{int(left % 60):02d}s" if left >= 60 else f"ETA {left:.0f}s"
+

@@ -1,0 +1,264 @@
+"""A long-lived worker: asks the study for trials and trains them in this process until the budget is met.
+
+torch is imported once per worker and the dataset built once (trial.DataCache); a trial
+costs a model, an optimizer and an MLflow child run, not a Python start. `mpsrun sweep
+--workers N` runs worker 0 in its own process and N-1 more as `python -m
+mpsrun.sweep.worker` (each in its own session: the command forwards a signal once).
+The ask/tell loop, rather than `study.optimize`, is what lets the budget count only
+trials that ended by their own doing, and a lost trial be failed and queued again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from mpsrun.recipe.load import Resolved
+from mpsrun.sweep import space, storage
+
+if TYPE_CHECKING:
+    from mpsrun.sweep.trial import Outcome
+
+
+@dataclass
+class Job:
+    """What every worker of one sweep needs; sent to extra workers as JSON."""
+
+    recipe: str
+    overrides: list[str]
+    storage_url: str
+    study: str
+    tracking_uri: str | None
+    parent_run_id: str
+    target: int
+    workers: int = 1
+    started_after: int = 0  # trials in the study when this command started (seeds the samplers apart)
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Job":
+        return cls(**json.loads(text))
+
+
+@dataclass
+class TrialEnd:
+    number: int
+    outcome: "Outcome"
+    values: dict[str, Any]
+    seconds: float
+
+
+@dataclass
+class Tally:
+    ran: list[TrialEnd] = field(default_factory=list)
+
+
+def share_cores(workers: int) -> None:
+    """N workers on one CPU or one GPU: torch's threads divided so they do not oversubscribe the cores."""
+    if workers > 1:
+        import torch
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // workers))
+
+
+def device_for(resolved: Resolved, index: int, workers: int) -> dict[str, Any]:
+    """With several GPUs each worker takes its own (cuda:i); otherwise the recipe's device, shared."""
+    if workers <= 1 or resolved.recipe.device not in ("auto", "cuda"):
+        return {}
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {"device": f"cuda:{index % n}"} if n > 1 else {}
+
+
+def trial_defaults(resolved: Resolved) -> dict[str, Any]:
+    """What a trial skips unless the recipe asks for it: the logged model, its figures, epoch checkpoints.
+
+    Seconds a trial on a small model (mlflow.pytorch's export alone is ~3 s on 2 cores), and
+    nothing the search needs: `mpsrun run best_recipe.yaml` trains (and logs) the best one.
+    Each skip is tagged on the trial's run (`mpsrun.model_artifact`), as `mpsrun run` does.
+    """
+    data = resolved.source.data
+    out: dict[str, Any] = {}
+    tracking = data.get("tracking") or {}
+    if "log_model" not in tracking:
+        out["tracking.log_model"] = False
+    if "figures" not in tracking:  # the parent draws the sweep's figures
+        out["tracking.figures"] = False
+    if "checkpoint" not in data:
+        out["checkpoint.every"] = 0
+    return out
+
+
+def load_study(job: Job, resolved: Resolved, index: int, on_lost_run: Callable[[str, str], None]) -> Any:
+    import optuna
+
+    sweep = resolved.recipe.sweep
+    assert sweep is not None
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    st = storage.open_storage(job.storage_url, on_failed=lambda s, t: _lost_run(t, "worker lost (no heartbeat)", on_lost_run))
+    return optuna.load_study(
+        study_name=job.study, storage=st,
+        sampler=space.sampler(sweep, space.worker_seed(resolved.recipe.seed, index, job.started_after)),
+        pruner=space.pruner(sweep, resolved.recipe.epochs),
+    )
+
+
+def _lost_run(t: Any, why: str, on_lost_run: Callable[[str, str], None]) -> None:
+    run_id = t.user_attrs.get(storage.RUN_ID)
+    if run_id:
+        on_lost_run(run_id, why)
+
+
+def work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, Any], None] | None = None,
+         ready: Callable[[], None] | None = None) -> Tally:
+    """Trials until the study holds `job.target` counted trials (or none is left to ask for).
+
+    `ready` is called once torch, the study and the first dataset are loaded, before the first trial:
+    `mpsrun sweep --workers N` starts asking once every worker is there, so N trials run at once
+    from the start (and worker 0 does not take the short sweep's trials alone while the others start).
+    """
+    from mpsrun.track.helper import background
+    from mpsrun.track.store import client as store
+
+    # One MLflow helper process for all this worker's trials (as `mpsrun run` has one for its run): the
+    # trials' MLflow writes and records run there, on another core, beside the training.
+    uri, artifact_root = store.resolve_uri(job.tracking_uri)
+    experiment = resolved.recipe.tracking.experiment or resolved.path.stem
+    tracker = background.start(uri, experiment, artifact_root, device=resolved.recipe.device, keep_open=True)
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        return _work(job, resolved, index, on_end, ready, tracker)
+    finally:
+        torch.set_num_threads(threads)  # a worker in a longer-lived process (tests, notebooks) gives them back
+        tracker.close()
+
+
+def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, Any], None] | None, ready: Callable[[], None] | None, tracker: Any) -> Tally:
+    from optuna.trial import TrialState
+
+    from mpsrun.recipe.sweep import trial_recipe
+    from mpsrun.sweep import parent
+    from mpsrun.sweep import trial as trial_mod  # torch: imported here, once per worker
+
+    sweep = resolved.recipe.sweep
+    assert sweep is not None
+    share_cores(job.workers)
+    placement = {**trial_defaults(resolved), **device_for(resolved, index, job.workers)}
+    marker = parent.RunMarker(job.tracking_uri)
+    study = load_study(job, resolved, index, marker.lost)
+    cache = trial_mod.DataCache()
+    try:
+        cache.get(trial_recipe(resolved, placement))  # the data every trial of this recipe's dataset section uses
+    except Exception:  # noqa: BLE001 - the first trial meets it again and says why (bad input: exit 2)
+        pass
+    if ready is not None:
+        ready()
+    tally = Tally()
+    while True:
+        storage.reap(study, lambda t, why: _lost_run(t, f"its worker died ({why})", marker.lost))
+        done, running = storage.budget(study, job.target)
+        if done + running >= job.target:
+            break
+        t = study.ask()
+        for k, v in storage.me().items():
+            t.set_user_attr(k, v)
+        if storage.over_budget(study, t, job.target):  # another worker took the last place at the same moment
+            t.set_user_attr(storage.SURPLUS, "the budget was reached by other workers")
+            study.tell(t, state=TrialState.FAIL)
+            break
+        beat = storage.heartbeat_thread(study, t._trial_id)  # noqa: SLF001
+        start = time.perf_counter()
+        values: dict[str, Any] = {}
+        try:
+            values = space.suggest(t, sweep)
+            trial_resolved = trial_recipe(resolved, {**values, **placement})
+            tags = {trial_mod.TRIAL_TAG: str(t.number), "mpsrun.sweep.study": job.study, "mpsrun.sweep": "trial",
+                    **{f"mpsrun.sweep.param.{k}": json.dumps(v) for k, v in values.items()}}
+            outcome = trial_mod.run(trial_resolved, t, sweep.metric, sweep.pruner, job.parent_run_id, job.tracking_uri, cache, tags, tracker=tracker)
+        except KeyboardInterrupt as e:
+            storage.mark_lost(study, t, f"interrupted ({getattr(e, 'name', 'SIGINT')})")
+            _lost_run_after(t, marker, f"interrupted ({getattr(e, 'name', 'SIGINT')})")
+            raise
+        except trial_mod.BadInput:
+            t.set_user_attr(storage.LOST, "bad input: the sweep stopped before training")
+            study.set_user_attr(f"{storage.LOST}.{t.number}", "bad input: the sweep stopped before training")
+            study.tell(t, state=TrialState.FAIL)
+            raise
+        except Exception as e:  # noqa: BLE001 - a combination the recipe rejects: this trial fails, the sweep goes on
+            outcome = trial_mod.Outcome("FAILED", None, None, f"{type(e).__name__}: {e}")
+        finally:
+            beat.join()
+        _tell(study, t, outcome)
+        if outcome.run_id:
+            marker.state(outcome.run_id, outcome.state)
+        end = TrialEnd(t.number, outcome, values, time.perf_counter() - start)
+        tally.ran.append(end)
+        if on_end is not None:
+            on_end(end, study)
+    return tally
+
+
+def _lost_run_after(t: Any, marker: Any, why: str) -> None:
+    run_id = t.user_attrs.get(storage.RUN_ID) if hasattr(t, "user_attrs") else None
+    if run_id:
+        marker.state(run_id, "FAILED", counted=False, why=why)
+
+
+def _tell(study: Any, t: Any, outcome: "Outcome") -> None:
+    from optuna.trial import TrialState
+
+    if outcome.run_id:
+        t.set_user_attr(storage.RUN_ID, outcome.run_id)
+    if outcome.message:
+        t.set_user_attr("mpsrun.message", outcome.message[:2000])
+    if outcome.state == "COMPLETE":
+        study.tell(t, outcome.value)
+    elif outcome.state == "PRUNED":
+        study.tell(t, state=TrialState.PRUNED)
+    else:
+        study.tell(t, state=TrialState.FAIL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mpsrun.sweep.worker INDEX JOB_JSON`: one extra worker of `mpsrun sweep --workers N`."""
+    from mpsrun.exitcodes import EXIT_INPUT, EXIT_OK
+    from mpsrun.plugins import resolve
+    from mpsrun.sweep import trial as trial_mod
+    from mpsrun.train.keep import interrupt
+
+    args = sys.argv[1:] if argv is None else argv
+    index, job = int(args[0]), Job.from_json(args[1])
+    ready_fd = int(args[2]) if len(args) > 2 else None
+
+    def ready() -> None:
+        if ready_fd is not None:
+            os.write(ready_fd, b"ready\n")
+            os.close(ready_fd)
+
+    resolved = resolve(job.recipe, job.overrides)
+    try:
+        with interrupt.stop_on_signals():
+            work(job, resolved, index, ready=ready)
+    except KeyboardInterrupt as e:
+        return interrupt.exit_code(e)
+    except trial_mod.BadInput as e:
+        sys.stderr.write(f"error: {e}\n")
+        return EXIT_INPUT
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no module-by-module teardown of torch (see cli._end); every record is written

@@ -1,0 +1,122 @@
+"""The `sweep:` section: every bad case exits 2 naming its line before anything trains; `run` ignores it.
+
+In-process CLI (the real Typer app), a real store in a temp folder; nothing here trains
+except the one `mpsrun run` that shows the section is ignored.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+BASE = """\
+device: cpu
+epochs: 1
+batch_size: 32
+seed: 0
+dataset:
+  name: digits
+model:
+  name: mlp
+  hidden: [16]
+optimizer:
+  name: sgd
+  lr: 0.05
+tracking:
+  experiment: sweepbad
+sweep:
+  metric: {metric}
+  trials: 2
+  sampler: {sampler}
+  params:
+    {param}
+"""
+
+CASES = [
+    # (param line, metric, sampler, expected message, expected line)
+    ("optimizer.lrr: {low: 0.01, high: 0.1}", "val_loss", "tpe", r"unknown argument \(did you mean 'lr'\?\)", 20),
+    ("batchsize: [16, 32]", "val_loss", "tpe", r"unknown recipe path \(did you mean 'batch_size'\?\)", 20),
+    ("optimizer.lr: {low: 0.5, high: 0.1}", "val_loss", "tpe", r"low 0\.5 is above high 0\.1", 20),
+    ("optimizer.lr: {low: 0.0, high: 0.1, log: true}", "val_loss", "tpe", r"a log range must start above 0", 20),
+    ("model.hidden: []", "val_loss", "tpe", r"an empty choice list", 20),
+    ("model.activation: [relu, swish]", "val_loss", "tpe", r"value .swish.", 20),
+    ("optimizer.name: [sgd, adamm]", "val_loss", "tpe", r"unknown optimizer 'adamm' \(did you mean 'adam'", 20),
+    ("batch_size: {low: 0.5, high: 64}", "val_loss", "tpe", r"value 0\.5: Input should be a valid integer", 20),
+    ("optimizer.lr: {low: 0.01, high: 0.1}", "val_los", "tpe", r"no run logs 'val_los' \(did you mean 'val_loss'", 16),
+    ("optimizer.lr: {low: 0.01, high: 0.1}", "val_loss", "grid", r"sampler grid needs a finite grid", 20),
+    ("model.hidden: [[16], [32]]", "val_loss", "cmaes", r"sampler cmaes searches numeric ranges only", 20),
+    ("optimizer.lr: {low: 0.01, high: 0.1, lg: true}", "val_loss", "tpe", r"unknown key \(did you mean 'log'\?\)", 20),
+]
+
+
+@pytest.mark.parametrize("param,metric,sampler,message,line", CASES, ids=[c[0].split(":")[0] + "-" + c[3][:24] for c in CASES])
+def test_bad_sweep_section_exits_2_naming_the_line(work, param, metric, sampler, message, line) -> None:
+    path = work.write("bad.yaml", BASE.format(param=param, metric=metric, sampler=sampler))
+    r = work.cli("sweep", str(path))
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output
+    assert re.search(message, r.output), r.output
+    assert re.search(rf"bad\.yaml:{line}:\d+", r.output), r.output
+    assert not (work.path / "mlruns" / "optuna.journal").exists()  # nothing started, not even the study
+
+
+def test_metric_the_task_never_logs_exits_2_before_training(work) -> None:
+    """val_r2 is a metric some runs log (regression), not this classification one: found once the data is known."""
+    path = work.write("r2.yaml", BASE.format(param="optimizer.lr: {low: 0.01, high: 0.1}", metric="val_r2", sampler="tpe"))
+    r = work.cli("sweep", str(path))
+    assert r.exit_code == 2, r.output
+    assert "never logs 'val_r2'" in r.output and "Traceback" not in r.output
+    trials = [x for x in work.runs("sweepbad") if x.data.tags.get("mpsrun.sweep") == "trial"]
+    assert trials == []  # no trial trained
+
+
+def test_run_trains_the_recipes_own_values_and_says_the_section_is_ignored(work) -> None:
+    path = work.write("ok.yaml", BASE.format(param="optimizer.lr: {low: 0.001, high: 0.1, log: true}", metric="val_loss", sampler="tpe"))
+    r = work.cli("run", str(path), "-q")
+    assert r.exit_code == 0, r.output
+    assert "`sweep:` section is ignored by `mpsrun run`" in r.output
+    (run,) = work.runs("sweepbad")
+    assert run.data.params["optimizer.lr"] == "0.05"
+    assert not any(k.startswith("sweep") for k in run.data.params)
+
+
+def test_epoch_metric_list_matches_the_engine() -> None:
+    """drive.EPOCH_METRICS (kept torch-free for the exit-2 path) names what every epoch logs."""
+    from mpsrun.sweep.drive import EPOCH_METRICS
+    from mpsrun.train.assemble import ALWAYS
+
+    assert set(ALWAYS) <= set(EPOCH_METRICS)
+
+
+def test_validate_checks_the_sweep_values_too(work) -> None:
+    path = work.write("v.yaml", BASE.format(param="optimizer.name: [sgd, adamm]", metric="val_loss", sampler="tpe"))
+    r = work.cli("validate", str(path))
+    assert r.exit_code == 2 and re.search(r"v\.yaml:20:\d+: .*unknown optimizer 'adamm'", r.output), r.output
+
+
+def test_each_worker_takes_its_own_gpu_cuda_mock(work, monkeypatch) -> None:
+    """Several GPUs: worker i trains on cuda:i (torch.cuda mocked: this machine has none)."""
+    import torch
+
+    from mpsrun.plugins import resolve
+    from mpsrun.sweep.worker import device_for
+
+    path = work.write("g.yaml", BASE.format(param="optimizer.lr: [0.1]", metric="val_loss", sampler="tpe").replace("device: cpu", "device: cuda"))
+    resolved = resolve(path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert [device_for(resolved, i, 4) for i in range(4)] == [{"device": f"cuda:{i}"} for i in range(4)]
+    assert device_for(resolved, 0, 1) == {}  # one worker: the recipe's device
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert device_for(resolved, 3, 4) == {}  # one GPU: shared
+
+
+def test_workers_divide_the_cores_between_them() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = "import torch; from mpsrun.sweep.worker import share_cores; share_cores(2); print(torch.get_num_threads())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert int(out) == max(1, len(os.sched_getaffinity(0)) // 2)
