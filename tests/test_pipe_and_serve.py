@@ -114,7 +114,7 @@ def test_runs_through_a_pipe_is_plain_aligned_lines_with_whole_ids(piped: PipedR
     assert p.returncode == 0, p.stderr
     lines = [line for line in p.stdout.splitlines() if line.strip()]
     header, *rows = lines
-    assert header.split() == ["run", "id", "experiment", "name", "status", "device", "epochs", "best", "started"]
+    assert header.split() == ["run", "id", "experiment", "name", "status", "device", "epochs/trials", "best", "started"]
     (row,) = [line for line in rows if piped.run_id in line]  # one line per run, with the whole id
     assert row.startswith(piped.run_id) and LONG_EXPERIMENT in row and "FINISHED" in row
     for col, value in (("experiment", LONG_EXPERIMENT), ("status", "FINISHED"), ("epochs", "2/2")):
