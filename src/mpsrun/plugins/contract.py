@@ -98,7 +98,9 @@ class ImageTransform:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         a, b = self._coefficients(x.device, x.dim())
-        x = torch.addcmul(b, x.float(), a)
+        # On CUDA the uint8 batch goes into addcmul as it is (promoted inside the kernel, the same
+        # values): one kernel fewer per step. Elsewhere (MPS's mixed-dtype kernels) it is cast first.
+        x = torch.addcmul(b, x if x.is_cuda else x.float(), a)
         if x.dim() != 4:  # not images: scaling and normalising only
             if self.resize is not None or self.rgb:
                 raise ValueError(f"ImageTransform: resize and rgb need image batches (N, C, H, W), got shape {tuple(x.shape)}")

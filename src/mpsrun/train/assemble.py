@@ -109,6 +109,9 @@ def build(recipe: Recipe, splits: DataSplits, model: nn.Module, optimizer: torch
         grad_norm=torch.zeros((), device=device) if clip else None,
     )
     out = Controls(objective)
+    note = loss.fuse(device, recipe.batch_size, splits.num_classes)  # CUDA cross-entropy: one kernel each way
+    if note:
+        out.notes.append(note)
     if recipe.scheduler is not None and options.graphs:
         how = schedulers.tensor_lr(optimizer, device)
         out.notes.append(f"scheduler: the learning rate is a device tensor the CUDA graphs read; {how}")

@@ -20,7 +20,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -53,6 +53,16 @@ class Recorder:
     notes: list[str] = field(default_factory=list)  # fallbacks and skips: printed and tagged by the runner
     timings: dict[str, float] = field(default_factory=dict)  # mpsrun's bookkeeping: into mpsrun_timings.json
     model: model_log.ModelLogResult | None = None
+    pending: list[tuple[str, Callable[[], Any]]] = field(default_factory=list)  # hooks the helper works on while training goes on
+
+    def settle(self) -> None:
+        """Read the answers of hooks started during training (a failure is a note, not the run's end)."""
+        while self.pending:
+            what, answer = self.pending.pop(0)
+            try:
+                answer()
+            except Exception as e:  # noqa: BLE001
+                self.notes.append(f"figures: {what} failed ({type(e).__name__}: {e})")
 
 
 def default_run_name(setup: "Setup") -> str:
@@ -158,19 +168,27 @@ def begin(tracker: "Tracker", setup: "Setup", system_metrics: bool = True) -> Re
 
 
 class _Curves(Callback):
-    """Refresh the learning-curve figure every FIGURE_EVERY epochs (long runs only)."""
+    """Refresh the learning-curve figure every FIGURE_EVERY epochs (long runs only), while training goes on.
+
+    And after the first epoch on an accelerator, import torch.export on a thread (see
+    `model_log.warm_export`): the end of the run then only traces the model.
+    """
 
     def __init__(self, rec: Recorder) -> None:
         self.rec = rec
 
     def on_epoch_end(self, run: RunState, epoch: int, metrics: dict[str, float]) -> None:
         done = epoch + 1
-        wanted = getattr(getattr(self.rec.setup.resolved.recipe, "tracking", None), "figures", True)  # tracking.figures: false skips them
+        r = self.rec.setup.resolved.recipe
+        if done == 1 and self.rec.setup.choice.device.type != "cpu" and getattr(getattr(r, "tracking", None), "log_model", False):
+            model_log.warm_export()
+        wanted = getattr(getattr(r, "tracking", None), "figures", True)  # tracking.figures: false skips them
         if run.epochs > FIGURE_EVERY and done % FIGURE_EVERY == 0 and done < run.epochs and wanted:
-            try:
-                hook(self.rec.tracker, "curves", list(run.history), _title(self.rec.setup, self.rec.tracker) + f", epoch {done}/{run.epochs}")
+            what = f"learning curves at epoch {done}"
+            try:  # drawn by the helper while the next epochs train; the answer is read at the end
+                self.rec.pending.append((what, hook_later(self.rec.tracker, "curves", list(run.history), _title(self.rec.setup, self.rec.tracker) + f", epoch {done}/{run.epochs}")))
             except Exception as e:
-                self.rec.notes.append(f"figures: learning curves not refreshed at epoch {done} ({type(e).__name__}: {e})")
+                self.rec.notes.append(f"figures: {what} failed ({type(e).__name__}: {e})")
 
 
 def callback(rec: Recorder) -> Callback:
@@ -234,6 +252,7 @@ def end(rec: Recorder, result: "TrainResult") -> None:
         if r.tracking.log_model:  # exported here while the helper draws
             _log_model(rec, result)
     finally:
+        rec.settle()
         rec.notes += drawn()
         rec.timings["figures_time_s"] = time.perf_counter() - t0  # with the helper: until drawn, beside the model
 
@@ -302,6 +321,8 @@ def callbacks(rec: Recorder) -> list[Callback]:
 
 def stop(rec: Recorder | None) -> None:
     """Stop the system-metrics monitor and write its last samples (safe to call twice)."""
+    if rec is not None:
+        rec.settle()
     if rec is not None and rec.system:
         rec.system = False
         rec.notes += [n for n in hook(rec.tracker, "stop_system") if n not in rec.notes]

@@ -41,6 +41,7 @@ class TaskLoss(nn.Module):
         self.inner = inner
         self.task = task
         self.name = name
+        self.fused = False  # cross-entropy in one Triton kernel each way (train/loop/fused_ce.py), set by `fuse`
 
     def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if out.dtype != torch.float64:  # fp16/bf16 outputs meet the loss in fp32; fp64 (parity's yardstick) stays
@@ -50,6 +51,35 @@ class TaskLoss(nn.Module):
             if out.numel() == y.numel():
                 out = out.reshape(y.shape)  # (N, 1) vs (N,): mse would broadcast to (N, N)
         return self.inner(out, y)
+
+    def summed(self, out: torch.Tensor, y: torch.Tensor, loss_sum: torch.Tensor) -> torch.Tensor:
+        """The mean loss, having added `mean * len(y)` to `loss_sum` (the epoch's sum, on the device).
+
+        One call so that the fused cross-entropy can do both in its one forward kernel.
+        """
+        if self.fused:
+            from mpsrun.train.loop import fused_ce
+
+            if fused_ce.fits(out, y):
+                return fused_ce.cross_entropy(out, y, loss_sum, ignore_index=self.inner.ignore_index)  # type: ignore[attr-defined]
+        loss = self(out, y)
+        loss_sum.add_(loss.detach().float(), alpha=y.shape[0])
+        return loss
+
+    def fuse(self, device: torch.device, batch_size: int, num_classes: int) -> str:
+        """Use the fused cross-entropy where it computes exactly what torch's does; the note says when it does not.
+
+        Only cross-entropy on CUDA is a candidate; for any other loss or device there is nothing to say.
+        """
+        if self.task != "classification" or device.type != "cuda" or not isinstance(self.inner, nn.CrossEntropyLoss):
+            return ""
+        from mpsrun.train.loop import fused_ce
+
+        why = fused_ce.why_not(self.inner, device) or fused_ce.too_large(batch_size, num_classes)
+        if why is not None:
+            return f"loss: torch's cross-entropy kernels, not the fused one ({why})"
+        self.fused = True
+        return ""
 
 
 def build_loss(name: str | None, kwargs: dict[str, Any], task: str, device: torch.device) -> TaskLoss:

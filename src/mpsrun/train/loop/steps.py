@@ -91,7 +91,7 @@ class Trainer:
         """One micro-batch; the optimizer steps on the `last` of an accumulation group (see objective.py)."""
         x = self.prepare(x, train=True)
         with self.autocast(cache):
-            loss = self.objective.loss(self.model(x), y)
+            loss = self.objective.loss.summed(self.model(x), y, self.loss_sum)  # the epoch's sum gets mean * len(y)
         if first:
             self.optimizer.zero_grad(set_to_none=True)
         scaled = loss if weight == 1.0 else loss * weight
@@ -112,13 +112,12 @@ class Trainer:
         if last:
             for hook in self.objective.after_step:
                 hook()
-        self.loss_sum.add_(loss.detach().float(), alpha=y.shape[0])
 
     def val_step(self, x: torch.Tensor, y: torch.Tensor, cache: bool = True) -> None:
         x = self.prepare(x)
         with self.autocast(cache):
             logits = self.model(x)
-        self.loss_sum.add_(self.objective.loss(logits, y).float(), alpha=y.shape[0])
+        self.objective.loss.summed(logits, y, self.loss_sum)
         self.objective.metrics.update(logits, y)
 
     def train_epoch(self, plan: BatchPlan, epoch: int, listener: Listener) -> None:
