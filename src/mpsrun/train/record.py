@@ -170,8 +170,10 @@ def begin(tracker: "Tracker", setup: "Setup", system_metrics: bool = True) -> Re
 class _Curves(Callback):
     """Refresh the learning-curve figure every FIGURE_EVERY epochs (long runs only), while training goes on.
 
-    And after the first epoch on an accelerator, import torch.export on a thread (see
-    `model_log.warm_export`): the end of the run then only traces the model.
+    Not done: importing torch.export on a thread during training (a second of the run's
+    end on the H100). Measured there, the thread's imports held the GIL between graph
+    replays and made the epochs it overlapped 1.2 to 2.5x slower: the epoch times the run
+    reports would no longer be the training's own.
     """
 
     def __init__(self, rec: Recorder) -> None:
@@ -180,8 +182,6 @@ class _Curves(Callback):
     def on_epoch_end(self, run: RunState, epoch: int, metrics: dict[str, float]) -> None:
         done = epoch + 1
         r = self.rec.setup.resolved.recipe
-        if done == 1 and self.rec.setup.choice.device.type != "cpu" and getattr(getattr(r, "tracking", None), "log_model", False):
-            model_log.warm_export()
         wanted = getattr(getattr(r, "tracking", None), "figures", True)  # tracking.figures: false skips them
         if run.epochs > FIGURE_EVERY and done % FIGURE_EVERY == 0 and done < run.epochs and wanted:
             what = f"learning curves at epoch {done}"

@@ -88,32 +88,6 @@ def served_copy(model: nn.Module, transform: Optional[Callable[[torch.Tensor], t
     return ServedModel(net, _fresh_transform(transform)).eval()
 
 
-_warming: list[Any] = []
-
-
-def warm_export() -> None:
-    """Import torch.export on a thread, once, while the run trains on an accelerator.
-
-    Its import is about a second of the run's end on the H100 (issue 27's start-up profile),
-    and a training loop on a GPU mostly waits on the device, with the GIL released. Not on
-    the CPU, where the thread would take a core from training and its timings.
-    """
-    if _warming:
-        return
-    import threading
-
-    def _import() -> None:
-        try:
-            import torch.export  # noqa: F401
-            import torch.export._trace  # noqa: F401
-        except Exception:  # noqa: BLE001 - export_pt2 imports again and reports
-            pass
-
-    t = threading.Thread(target=_import, name="mpsrun-warm-export", daemon=True)
-    _warming.append(t)
-    t.start()
-
-
 def export_pt2(served: ServedModel, example: np.ndarray, folder: str | Path) -> tuple[str, np.ndarray]:
     """`torch.export` the served module on `example` (batch dimension dynamic, as MLflow's pt2 does)
     into `folder/model.pt2`; returns the file and the example's outputs (for the signature).
