@@ -8,7 +8,8 @@
 # images (30,000 less the 10% hold-out): images/s is the run's steady_train_samples_per_s (median of epochs 2..3, the whole
 # job), read back from MLflow. Both use CUDA graphs (the default; under NCCL each rank
 # captures its step with one in-graph all-reduce, train/ranks/graph_sync.py); a third run,
-# MPSRUN_DDP_GRAPHS=0, is DDP's eager buckets as before issue 27; GRAPHS=1 adds the 1-GPU eager
+# MPSRUN_DDP_BUCKET_MB=0, is the same with one all-reduce after backward (no overlap; THIRD=ddp:
+# MPSRUN_DDP_GRAPHS=0, DDP's eager buckets as before issue 27); GRAPHS=1 adds the 1-GPU eager
 # row. Then the trajectory: the fashion MLP, 1 GPU against 2 at one global batch (TRAJ=0 skips).
 # Batch 256 per GPU first (where the reference scales 1.94x),
 # then 64 (launch-bound: 1.2-1.6x there) while the time budget lasts.
@@ -22,6 +23,7 @@
 # in the table), RUN_TIMEOUT (150 s per run).
 set -u
 START=$SECONDS
+export THIRD=${THIRD:-flat}
 DEVICE=${DEVICE:-cuda}; QUICK=${QUICK:-0}; GRAPHS=${GRAPHS:-0}; export DEVICE QUICK
 BUDGET=${BUDGET:-480}; RUN_TIMEOUT=${RUN_TIMEOUT:-150}
 OUT=${OUT:-ddp-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -60,7 +62,11 @@ one() {  # one() NAME [args...]: a run if the budget allows it, its wall time in
 for B in $BATCHES; do
   one "1gpu-b$B" batch_size="$B"                                  # the default: CUDA graphs
   one "2gpu-b$B" batch_size=$((2 * B)) --nproc 2                  # graphs on every rank (graph_sync)
-  MPSRUN_DDP_GRAPHS=0 one "2gpu-ddp-b$B" batch_size=$((2 * B)) --nproc 2   # DDP's eager buckets (before issue 27)
+  if [ "${THIRD:-flat}" = ddp ]; then
+    MPSRUN_DDP_GRAPHS=0 one "2gpu-ddp-b$B" batch_size=$((2 * B)) --nproc 2   # DDP's eager buckets (before issue 27)
+  else
+    MPSRUN_DDP_BUCKET_MB=0 one "2gpu-ddp-b$B" batch_size=$((2 * B)) --nproc 2   # graphs, one all-reduce after backward (no overlap)
+  fi
   [ "$GRAPHS" = 1 ] && one "1gpu-eager-b$B" batch_size="$B" graphs=false
 done
 # The trajectory: the fashion MLP (fp32), one GPU against two at the same GLOBAL batch, val_loss per epoch.
@@ -90,7 +96,8 @@ def ips(name):
         return None, ("skipped" if name in skipped else (r.info.status if r else "missing"))
     return r.data.metrics.get("steady_train_samples_per_s"), r
 f = lambda v, why="n/a": f"{v:,.0f}" if v else why
-lines = ["| batch per GPU | 1 GPU, CUDA graphs (img/s) | 2 GPUs, graphs + in-graph all-reduce (img/s) | scaling | target | 2 GPUs, DDP eager (img/s) | its scaling |",
+third = "DDP eager" if os.environ.get("THIRD") == "ddp" else "graphs, one all-reduce after backward"
+lines = [f"| batch per GPU | 1 GPU, CUDA graphs (img/s) | 2 GPUs, graphs + bucketed in-graph all-reduce (img/s) | scaling | target | 2 GPUs, {third} (img/s) | its scaling |",
          "| --- | --- | --- | --- | --- | --- | --- |"]
 notes = []
 targets = {"64": 1.8, "256": 1.95}

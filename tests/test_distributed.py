@@ -354,18 +354,25 @@ def _graph_sync_rank(rank: int, init: str, out: str) -> None:
     x, y = torch.randn(3, 16, 8, generator=gen), torch.randint(0, 4, (3, 16), generator=gen)
     mine = slice(8 * rank, 8 * (rank + 1))  # this rank's half of each global batch of 16
     results = []
-    for kind in ("ddp", "graph_sync"):
+    for kind in ("ddp", "graph_sync", "buckets"):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
         if rank == 1:  # different start on rank 1: both paths must hand every rank rank 0's weights
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(1.0)
-        net = DDP(model) if kind == "ddp" else graph_sync.install(model, 2)
+        # graph_sync: one bucket, all-reduced after backward; buckets: one per parameter (1-byte buckets),
+        # each issued by its gradient's hook during backward (as under a captured step), the last layer's first
+        net = DDP(model) if kind == "ddp" else graph_sync.install(model, 2, **({"bucket_bytes": 1} if kind == "buckets" else {}))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for s in range(3):
             opt.zero_grad(set_to_none=True)
+            if kind == "buckets":
+                graph_sync.arm()
+                assert len(graph_sync._sync.buckets) == 6  # type: ignore[union-attr]
             torch.nn.functional.cross_entropy(net(x[s, mine]), y[s, mine]).backward()
+            if kind == "buckets":
+                assert all(i is not None for i in graph_sync._sync.issued)  # type: ignore[union-attr]  # every bucket went out during backward
             graph_sync.sync_grads()  # a no-op under DDP (not installed yet / reset)
             opt.step()
         graph_sync.reset()
@@ -383,7 +390,8 @@ def test_graph_sync_average_is_ddp_s_on_gloo_processes(tmp_path: Path) -> None:
     out = str(tmp_path / "params")
     mp.spawn(_graph_sync_rank, args=(f"file://{tmp_path / 'rdv'}", out), nprocs=2, join=True)
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
-    for ddp, mine in zip(r0[0], r0[1]):
+    for ddp, mine, bucketed in zip(r0[0], r0[1], r0[2]):
         assert torch.allclose(ddp, mine, atol=1e-6)
-    for a, b in zip(r0[1], r1[1]):
+        assert torch.allclose(ddp, bucketed, atol=1e-6)
+    for a, b in zip(r0[1] + r0[2], r1[1] + r1[2]):
         assert torch.equal(a, b)

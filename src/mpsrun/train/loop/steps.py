@@ -95,6 +95,8 @@ class Trainer:
         if first:
             self.optimizer.zero_grad(set_to_none=True)
         scaled = loss if weight == 1.0 else loss * weight
+        if last:
+            graph_sync.arm()  # data parallel under graphs: buckets all-reduce as backward fills them (a no-op otherwise)
         if self.scaler is not None:
             self.scaler.scale(scaled).backward()
             if last:

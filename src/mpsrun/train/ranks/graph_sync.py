@@ -5,10 +5,11 @@ and keeps Python-side state between steps, which a replayed graph does not re-ru
 graph captured around it needs DDP built on a side stream, eleven eager warm-up steps
 and its static-graph mode, and still replays DDP's many buckets. A launch-bound step
 (batch 64 per GPU) is what DDP handles worst and graphs handle best, so under NCCL with
-graphs on, each rank keeps its plain module and, after backward, averages every
-gradient with ONE all-reduce over a flat copy: three kernels and one collective,
-captured with the rest of the step (NCCL collectives are capturable once the
-communicator exists; the eager warm-up steps create it). The average is DDP's (sum over
+graphs on, each rank keeps its plain module and averages its gradients with a few
+all-reduces over flat copies (DDP-sized buckets, issued on a side stream as backward
+fills them, so they overlap the rest of backward), captured with the rest of the step
+(NCCL collectives are capturable once the communicator exists; the eager warm-up steps
+create it). A small model is one bucket: one collective after backward. The average is DDP's (sum over
 ranks / world size), so the trajectory is the single process's, as with DDP.
 
 What DDP did besides, done here too: rank 0's parameters are broadcast once at the start
@@ -21,34 +22,117 @@ A no-op everywhere else: `sync_grads` and `sync_buffers` do nothing unless `inst
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 
-class GradSync:
-    """Averages the module's gradients over the ranks with one flat all-reduce (graph-capturable)."""
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+BUCKET_ENV = "MPSRUN_DDP_BUCKET_MB"  # another size; 0: one all-reduce after backward (no overlap), for measuring
 
-    def __init__(self, model: nn.Module, world: int) -> None:
+
+class GradSync:
+    """Averages the module's gradients over the ranks, bucket by bucket as backward produces them.
+
+    Buckets hold parameters in reverse order (backward yields the last layers' gradients
+    first, as DDP orders them). When a bucket's last gradient is accumulated (a
+    post-accumulate-grad hook, run during the eager warm-up and during capture alike),
+    its all-reduce is issued on a side stream that waits for the gradients so far, so
+    the collective overlaps the rest of backward, inside the graph too. `__call__` (after
+    backward) issues any bucket whose hooks did not all fire (unused parameters), waits
+    for the side stream and copies the averages back: every rank issues the same
+    buckets in the same order, since every rank runs the same backward.
+    """
+
+    def __init__(self, model: nn.Module, world: int, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.world = world
+        self.buckets: list[list[nn.Parameter]] = []
+        cur: list[nn.Parameter] = []
+        size = 0
+        for p in reversed(self.params):
+            cur.append(p)
+            size += p.numel() * p.element_size()
+            if size >= bucket_bytes:
+                self.buckets.append(cur)
+                cur, size = [], 0
+        if cur:
+            self.buckets.append(cur)
+        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.left = [len(b) for b in self.buckets]
+        self.issued: list[tuple[torch.Tensor, list[torch.Tensor]] | None] = [None] * len(self.buckets)
+        self.stream: torch.cuda.Stream | None = None
+        self.armed = False
+        self.handles = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
 
-    def __call__(self) -> None:
+    def arm(self) -> None:
+        """Before a backward whose gradients are to be averaged: buckets then go out as they fill."""
+        self.left = [len(b) for b in self.buckets]
+        self.issued = [None] * len(self.buckets)
+        self.armed = True
+
+    def _ready(self, p: torch.Tensor) -> None:
+        if not self.armed:
+            return
+        i = self.bucket_of[id(p)]
+        self.left[i] -= 1
+        if self.left[i] == 0:
+            self._issue(i)
+
+    def _issue(self, i: int) -> None:
         import torch.distributed as dist
 
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [p.grad for p in self.buckets[i] if p.grad is not None]
         if not grads:
+            self.issued[i] = (torch.empty(0), [])
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flat.div_(self.world)
-        views = [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)]
+        if grads[0].is_cuda:
+            cur = torch.cuda.current_stream(grads[0].device)
+            if self.stream is None:
+                self.stream = torch.cuda.Stream(grads[0].device)
+            self.stream.wait_stream(cur)  # the gradients so far are written
+            with torch.cuda.stream(self.stream):
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+                flat.div_(self.world)
+        else:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            flat.div_(self.world)
+        self.issued[i] = (flat, grads)
+
+    def __call__(self) -> None:
+        if not self.armed:  # called without arm (a caller that does not know about buckets): all at once
+            self.arm()
+        self.armed = False
+        for i, done in enumerate(self.issued):
+            if done is None:
+                self._issue(i)
+        pairs = [x for x in self.issued if x is not None and x[1]]
+        if not pairs:
+            return
+        if self.stream is not None:
+            # The flats were made on the side stream and are read here; their memory is only
+            # reused by the side stream, whose next work waits for this stream (`_issue`), so
+            # no record_stream is needed (and none is issued during a capture).
+            torch.cuda.current_stream(pairs[0][0].device).wait_stream(self.stream)
+        grads, views = [], []
+        for flat, gs in pairs:
+            grads += gs
+            views += [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in gs]), gs)]
         torch._foreach_copy_(grads, views)
+        self.issued = [None] * len(self.buckets)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 _sync: GradSync | None = None
 
 
-def install(model: nn.Module, world: int) -> nn.Module:
+def install(model: nn.Module, world: int, bucket_bytes: int = BUCKET_BYTES) -> nn.Module:
     """The plain module, with rank 0's parameters and buffers, and the gradient average armed."""
     global _sync
     import torch.distributed as dist
@@ -56,12 +140,22 @@ def install(model: nn.Module, world: int) -> nn.Module:
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             dist.broadcast(t.data, src=0)
-    _sync = GradSync(model, world)
+    env = os.environ.get(BUCKET_ENV)
+    if env is not None:
+        mb = float(env)
+        bucket_bytes = int(mb * 2**20) if mb > 0 else 2**62
+    _sync = GradSync(model, world, bucket_bytes)
     return model
 
 
 def active() -> bool:
     return _sync is not None
+
+
+def arm() -> None:
+    """Before backward: each bucket's all-reduce then starts as soon as its gradients exist."""
+    if _sync is not None:
+        _sync.arm()
 
 
 def sync_grads() -> None:
@@ -85,4 +179,6 @@ def sync_buffers(model: nn.Module) -> None:
 def reset() -> None:
     """Disarm (a rank's job is over; tests run several jobs in one process)."""
     global _sync
+    if _sync is not None:
+        _sync.remove()
     _sync = None
