@@ -169,8 +169,8 @@ def adjust_options(options: Any, requested_graphs: Any) -> None:
         return
     if _backend == "nccl" and os.environ.get("MPSRUN_DDP_GRAPHS", "1") != "0":
         options.notes.append(
-            f"graphs: each of the {_ctx.world_size} ranks replays its captured steps; gradients are averaged by one "
-            "NCCL all-reduce inside the graph (train/ranks/graph_sync.py), not by DDP's buckets"
+            f"graphs: each of the {_ctx.world_size} ranks replays its captured steps; gradients are averaged by NCCL "
+            "all-reduces inside the graph, per bucket as backward fills it (train/ranks/graph_sync.py), not by DDP"
         )
         return
     options.graphs = False
