@@ -153,7 +153,7 @@ def test_server_gone_until_the_end_then_mpsrun_sync(tmp_path: Path, server: Mlfl
     run = c.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert len(c.get_metric_history(run_id, "val_loss")) == epochs
-    assert "steady_epoch_time_s" in run.data.metrics
+    assert "system/steady_epoch_time_s" in run.data.metrics
     assert "mpsrun.spool" in run.data.tags and "mpsrun.spool.synced" in run.data.tags
     assert "recipe.yaml" in [a.path for a in c.list_artifacts(run_id)]
     assert "logged model are skipped" in run.data.tags["mpsrun.notes"]

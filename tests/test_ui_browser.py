@@ -175,32 +175,52 @@ def test_run_page_shows_the_parameters(page, ui_run: UiRun, tmp_path: Path) -> N
     page.screenshot(path=str(tmp_path / "overview.png"), full_page=True)
 
 
-def test_model_metrics_tab_opens_with_the_users_training_metrics(page, ui_run: UiRun, tmp_path: Path) -> None:
-    """The tab's first section and first charts are the run's training metrics, not mpsrun's bookkeeping.
+def _shown(page, names: list[str], headings: str) -> list[str]:
+    """Section headings and chart titles among `names`, in the order the page shows them (it draws more as it scrolls)."""
+    return page.evaluate(
+        """([names, headings]) => Array.from(document.querySelectorAll('body *'))
+             .filter(e => e.children.length === 0 && (names.includes(e.textContent.trim()) || new RegExp(headings).test(e.textContent.trim())))
+             .map(e => e.textContent.trim())""",
+        [names, headings],
+    )
 
-    MLflow's UI puts every "prefix/" section before the unprefixed "Model metrics" one; mpsrun's
-    bookkeeping (`mpsrun/...` metrics once) now sits in mpsrun_timings.json.
+
+def test_model_metrics_tab_opens_with_the_users_training_metrics(page, ui_run: UiRun, tmp_path: Path) -> None:
+    """The tab's first section and first charts are the run's training metrics, not mpsrun's measurements.
+
+    MLflow's UI sorts charts by name and puts every "prefix/" section before the unprefixed
+    "Model metrics" one, except "system/", which has a tab of its own: mpsrun's times, throughput
+    and memory (per epoch and per run) are `system/...` and drawn there (track/records/names.py);
+    its bookkeeping sits in mpsrun_timings.json; the `final_*` copies of the last epoch are not logged.
     """
     metrics = ui_run.client().get_run(ui_run.run_id).data.metrics
     training = sorted(k for k in metrics if "/" not in k)  # what the run's Model metrics tab draws
-    assert {"train_loss", "val_loss", "val_accuracy"} <= set(training) and [k for k in metrics if "/" in k and not k.startswith("system/")] == []
+    assert training == ["lr", "train_loss", "val_accuracy", "val_loss"], training
+    measured = ["epoch_time_s", "train_time_s", "val_time_s", "train_samples_per_s", "memory_bytes",
+                "first_epoch_time_s", "steady_epoch_time_s", "total_train_time_s", "steady_train_samples_per_s", "peak_memory_bytes"]
+    assert {f"system/{k}" for k in measured} <= set(metrics) and not [k for k in metrics if "/" in k and not k.startswith("system/")]
     page.get_by_text("Model metrics", exact=True).first.click()
-    search = page.get_by_placeholder(re.compile("Search metric charts", re.I))
-    search.fill("")
+    page.get_by_placeholder(re.compile("Search metric charts", re.I)).fill("")
     page.locator(".js-plotly-plot").first.wait_for()
-    # section headings and chart titles, in the order the page shows them
-    shown = page.evaluate(
-        """(names) => Array.from(document.querySelectorAll('body *'))
-             .filter(e => e.children.length === 0 && (names.includes(e.textContent.trim()) || /^(Model metrics|mpsrun)$/.test(e.textContent.trim())))
-             .map(e => e.textContent.trim())""",
-        [*training, "best_epoch", "checkpoint_time_s", "mlflow_log_time_s", "epochs_done"],
-    )
-    charts = [t for t in shown if t in training]  # the charts drawn so far (the page draws more as it scrolls)
-    assert "mpsrun" not in shown and not {"best_epoch", "checkpoint_time_s", "mlflow_log_time_s", "epochs_done"} & set(shown), shown
-    assert len(charts) >= 6 and charts == training[:len(charts)], shown  # the first screen: the run's training metrics (MLflow sorts them)
-    assert shown[shown.index(charts[0]) - 1] == "Model metrics", shown  # under the first section's heading...
-    page.get_by_text(re.compile(rf"^Model metrics\s*\({len(training)}\)$")).first.wait_for()  # ...which holds every one, the losses included
+    page.get_by_text(re.compile(rf"^Model metrics\s*\({len(training)}\)$")).first.wait_for()  # the section holds every one, the losses included
+    page.locator(".js-plotly-plot").nth(len(training) - 1).wait_for()
+    shown = _shown(page, [*training, *measured, "best_epoch", "final_val_loss"], r"^(Model metrics|System metrics|mpsrun|system)")
+    charts = [t for t in shown if t in training]
+    assert not set(measured) & set(shown) and "final_val_loss" not in shown and "mpsrun" not in shown, shown
+    assert charts == training, shown  # the first screen: all of them, in MLflow's order, under...
+    assert shown[shown.index(charts[0]) - 1] == "Model metrics", shown  # ...the first section's heading
     page.screenshot(path=str(tmp_path / "model_metrics_first_screen.png"))
+    if os.environ.get("MPSRUN_UI_SHOTS"):  # a folder to keep the screenshots in, to look at by eye
+        page.screenshot(path=str(Path(os.environ["MPSRUN_UI_SHOTS"]) / "model_metrics_first_screen.png"))
+    # mpsrun's measurements are on the System metrics tab, one chart each, beside MLflow's samples
+    page.get_by_text("System metrics", exact=True).first.click()
+    page.get_by_placeholder(re.compile("Search metric charts", re.I)).fill("epoch_time_s")
+    page.get_by_text("epoch_time_s", exact=True).first.wait_for()
+    page.get_by_text("first_epoch_time_s", exact=True).first.wait_for()
+    page.get_by_text("steady_epoch_time_s", exact=True).first.wait_for()
+    page.get_by_placeholder(re.compile("Search metric charts", re.I)).fill("")
+    if os.environ.get("MPSRUN_UI_SHOTS"):
+        page.screenshot(path=str(Path(os.environ["MPSRUN_UI_SHOTS"]) / "system_metrics.png"))
 
 
 def test_model_metrics_tab_draws_the_val_loss_curve(page, ui_run: UiRun, tmp_path: Path) -> None:
