@@ -27,12 +27,13 @@ tracking: {{experiment: remote, run_name: {name}}}
 """
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, template_db: Path):  # type: ignore[no-untyped-def]
-    s = MlflowServer(tmp_path_factory.mktemp("server"), template_db)
-    s.start()
-    yield s
-    s.kill(signal.SIGTERM)
+@pytest.fixture
+def server(mlflow_server: MlflowServer):  # type: ignore[no-untyped-def]
+    """The session's `mlflow server` (tests/conftest.py); these tests kill it and start it again,
+    and one that failed in between leaves it running for the next."""
+    yield mlflow_server
+    if mlflow_server.proc is None:
+        mlflow_server.start()
 
 
 @pytest.fixture
