@@ -18,6 +18,7 @@ import tempfile
 import time
 import textwrap
 from pathlib import Path
+from mpsrun.track.records.names import from_mlflow  # system/steady_epoch_time_s -> steady_epoch_time_s; final_val_* from val_*
 
 RECIPE = """\
 device: {device}
@@ -73,7 +74,7 @@ def main() -> None:
             t = time.perf_counter()
             s = runner.run(resolved, uri)
             wall = time.perf_counter() - t
-            m = {**c.get_run(s.run.run_id).data.metrics, **_timings(c, s.run.run_id)}
+            m = {**from_mlflow(c.get_run(s.run.run_id).data.metrics), **_timings(c, s.run.run_id)}
             rows[every].append(
                 {
                     "wall": wall,

@@ -37,6 +37,7 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 
 from baselines import resident_loop, tutorial_loop  # noqa: E402
+from mpsrun.track.records.names import from_mlflow  # system/steady_epoch_time_s -> steady_epoch_time_s; final_val_* from val_*
 
 RECIPE = ROOT / "recipes" / "fashion_mlp_mps.yaml"
 
@@ -93,8 +94,8 @@ def run_mpsrun(root: Path, device: str, epochs: int, store: Path, extra: list[st
     c = MlflowClient(uri)
     exp = c.get_experiment_by_name("fashion_bench")
     run = c.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=1)[0]
-    m = {**run.data.metrics, **_timings(c, run.info.run_id)}
-    times = [x.value for x in sorted(c.get_metric_history(run.info.run_id, "epoch_time_s"), key=lambda x: x.step)]
+    m = {**from_mlflow(run.data.metrics), **_timings(c, run.info.run_id)}
+    times = [x.value for x in sorted(c.get_metric_history(run.info.run_id, "system/epoch_time_s"), key=lambda x: x.step)]
     return {
         "epoch_times_s": times,
         "first_epoch_s": m["first_epoch_time_s"],

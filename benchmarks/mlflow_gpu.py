@@ -99,11 +99,13 @@ def main() -> int:
 
     from mlflow.tracking import MlflowClient
 
+    from mpsrun.track.records.names import from_mlflow  # system/steady_epoch_time_s -> steady_epoch_time_s
+
     c = MlflowClient(uri)
     exp = c.get_experiment_by_name(EXPERIMENT)
     runs = c.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"]) if exp else []
     for row, run in zip(rows, runs):
-        m = {**run.data.metrics, **_timings(c, run.info.run_id)}
+        m = {**from_mlflow(run.data.metrics), **_timings(c, run.info.run_id)}
         row.update(
             run_id=run.info.run_id,
             device=run.data.tags.get("device.name", "?"),

@@ -32,6 +32,23 @@ def template_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return db
 
 
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory, template_db: Path):  # type: ignore[no-untyped-def]
+    """One real `mlflow server` (SQLite, artifacts in tmp) for every module that needs a tracking server.
+
+    Starting one is seconds of a 2-core machine's time; the tests that use it write their own
+    experiments and runs, and a test that stops it starts it again (test_tracking_server.py).
+    """
+    import signal
+
+    from tests.proc_helpers import MlflowServer
+
+    s = MlflowServer(tmp_path_factory.mktemp("mlflow-server"), template_db)
+    s.start()
+    yield s
+    s.kill(signal.SIGTERM)
+
+
 @dataclass
 class Result:
     exit_code: int

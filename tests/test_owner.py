@@ -9,10 +9,8 @@ epochs. Now exactly one trains; the other exits 2 within seconds, naming the own
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,12 +21,10 @@ from tests.test_checkpoint import DIGITS, MPSRUN, _env
 OWNER_PARAM = "mpsrun.owner."
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, template_db: Path):  # type: ignore[no-untyped-def]
-    s = MlflowServer(tmp_path_factory.mktemp("owner-server"), template_db)
-    s.start()
-    yield s
-    s.kill(signal.SIGTERM)
+@pytest.fixture
+def server(mlflow_server: MlflowServer) -> MlflowServer:
+    """The session's `mlflow server` (tests/conftest.py): these tests only write their own runs to it."""
+    return mlflow_server
 
 
 def _client(uri: str) -> Any:

@@ -10,7 +10,7 @@ import pytest
 
 from .conftest import RECIPES, digits_recipe, run_subprocess
 
-METRICS = ("train_loss", "val_loss", "val_accuracy", "epoch_time_s", "train_samples_per_s")
+METRICS = ("train_loss", "val_loss", "val_accuracy", "system/epoch_time_s", "system/train_samples_per_s")
 TAGS = ("mpsrun.recipe", "device.requested", "device.type", "device.name", "torch.version", "python.version", "os.platform")
 
 
@@ -34,9 +34,9 @@ def test_digits_recipe_acceptance(work) -> None:
     assert run.data.tags["device.requested"] == "auto"
     assert run.data.params["optimizer.name"] == "adam"
     assert run.data.params["model.hidden"] == "[128, 64]"
-    assert "steady_epoch_time_s" in run.data.metrics and "first_epoch_time_s" in run.data.metrics
+    assert "system/steady_epoch_time_s" in run.data.metrics and "system/first_epoch_time_s" in run.data.metrics
     timings = json.loads(Path(work.client().download_artifacts(run.info.run_id, "mpsrun_timings.json", str(work.path))).read_text())
-    assert 0 < timings["mlflow_log_time_s"] < run.data.metrics["total_train_time_s"]
+    assert 0 < timings["mlflow_log_time_s"] < run.data.metrics["system/total_train_time_s"]
     arts = {a.path for a in work.client().list_artifacts(run.info.run_id)}
     assert {"recipe.yaml", "figures"} <= arts
     assert run.data.tags["mpsrun.model_uri"] == f"runs:/{run.info.run_id}/model"

@@ -5,6 +5,12 @@ What the page must show is decided from the run itself (its parameters, its metr
 history, its logged model, dataset inputs and figure artifacts), so the test follows the
 run rather than a list of strings. Screenshots of each view land in the test's tmp folder
 (kept by pytest under its basetemp) for a person to look at.
+
+The same `mpsrun ui` is then checked as a process (the last test): it was started with no
+flags in the folder `mpsrun run` wrote (./mlruns is the store browsed), said "starting..."
+before its server answered and the experiment's link once it did, and a signal stops it, its
+server and workers with it, and frees the port. Starting MLflow's server is most of either
+check's time, so one server serves both (these were tests/test_ui_signals.py).
 """
 
 from __future__ import annotations
@@ -13,8 +19,10 @@ import os
 import re
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -23,6 +31,7 @@ from typing import Any
 
 import pytest
 
+from tests.proc_helpers import alive, descendants, port_free
 from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +67,10 @@ class UiRun:
     run_id: str
     experiment_id: str
     uri: str
+    proc: subprocess.Popen
+    lines: list[tuple[str, bool]]  # each line `mpsrun ui` printed, and whether its server answered when it came
+    port: int
+    stderr: Path
 
     def client(self) -> Any:
         from mlflow.tracking import MlflowClient
@@ -86,48 +99,77 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=10)
 
 
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=15) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _experiment_exists(db: Path, name: str) -> bool:
+    """Read straight from the SQLite file: no MLflow import, no schema work under the run's feet."""
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as con:
+            return con.execute("SELECT 1 FROM experiments WHERE name = ?", (name,)).fetchone() is not None
+    except sqlite3.Error:
+        return False
+
+
 @pytest.fixture(scope="module")
 def ui_run(tmp_path_factory: pytest.TempPathFactory, template_db: Path):
-    """A finished digits run in a SQLite store, browsed by `mpsrun ui` on a free port.
+    """A finished digits run in the default store (./mlruns), browsed by `mpsrun ui` with no flags on a free port.
 
-    The UI server and the training start together (the store is a copy of the migrated
+    The UI starts as soon as the run has made its experiment (so the link `mpsrun ui` prints
+    names it) and starts its server while the run trains (the store is a copy of the migrated
     template, so neither creates the schema under the other).
     """
     work = tmp_path_factory.mktemp("ui")
     (work / "mlruns").mkdir()
-    shutil.copy(template_db, work / "mlruns" / "mlflow.db")
-    uri = f"sqlite:///{work / 'mlruns' / 'mlflow.db'}"
+    db = work / "mlruns" / "mlflow.db"
+    shutil.copy(template_db, db)
+    uri = f"sqlite:///{db}"
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env.setdefault("OMP_NUM_THREADS", "1")
     port = free_port()
-    with open(work / "ui.log", "w") as log:
+    url = f"http://127.0.0.1:{port}"
+    train = subprocess.Popen(
+        [sys.executable, "-m", "mpsrun", "run", str(RECIPE), "epochs=3", "device=cpu", "-q"],
+        cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not _experiment_exists(db, "digits_mlp"):
+        assert train.poll() is None or _experiment_exists(db, "digits_mlp"), train.communicate()
+        assert time.monotonic() < deadline, "the run made no experiment in 120 s"
+        time.sleep(0.1)
+    with open(work / "ui.err", "w") as errlog:  # a file, not a pipe: nobody reads the server's log while it serves
         ui = subprocess.Popen(
-            [sys.executable, "-m", "mpsrun", "ui", "--port", str(port), "--tracking-uri", uri],
-            cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [sys.executable, "-m", "mpsrun", "ui", "--port", str(port)],  # no flags: ./mlruns
+            cwd=work, env=env, stdout=subprocess.PIPE, stderr=errlog, text=True, start_new_session=True,
         )
+    lines: list[tuple[str, bool]] = []
+
+    def read() -> None:
+        for line in ui.stdout:  # type: ignore[union-attr]
+            lines.append((line.rstrip("\n"), _answers(url)))
+
+    threading.Thread(target=read, daemon=True).start()
     try:
-        r = subprocess.run(
-            [sys.executable, "-m", "mpsrun", "run", str(RECIPE), "epochs=3", "device=cpu", "-q"],
-            cwd=work, env=env, capture_output=True, text=True, timeout=300,
-        )
-        assert r.returncode == 0, r.stdout + r.stderr
-        run_id = re.search(r"\brun ([0-9a-f]{32})\b", r.stdout).group(1)  # type: ignore[union-attr]
-        url = f"http://127.0.0.1:{port}"
+        out, err = train.communicate(timeout=300)
+        assert train.returncode == 0, out + err
+        run_id = re.search(r"\brun ([0-9a-f]{32})\b", out).group(1)  # type: ignore[union-attr]
         deadline = time.monotonic() + 120
-        while True:
-            assert ui.poll() is None, f"mpsrun ui exited {ui.returncode}:\n{(work / 'ui.log').read_text()[-3000:]}"
-            try:
-                if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"mpsrun ui not up in 120 s:\n{(work / 'ui.log').read_text()[-3000:]}"
+        while not _answers(url):
+            assert ui.poll() is None, f"mpsrun ui exited {ui.returncode}:\n{lines}\n{(work / 'ui.err').read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"mpsrun ui not up in 120 s:\n{lines}"
             time.sleep(0.5)
         from mlflow.tracking import MlflowClient
 
         exp_id = MlflowClient(tracking_uri=uri).get_run(run_id).info.experiment_id
-        yield UiRun(url, run_id, exp_id, uri)
+        yield UiRun(url, run_id, exp_id, uri, ui, lines, port, work / "ui.err")
     finally:
+        if train.poll() is None:
+            train.kill()
         _stop(ui)
 
 
@@ -175,32 +217,52 @@ def test_run_page_shows_the_parameters(page, ui_run: UiRun, tmp_path: Path) -> N
     page.screenshot(path=str(tmp_path / "overview.png"), full_page=True)
 
 
-def test_model_metrics_tab_opens_with_the_users_training_metrics(page, ui_run: UiRun, tmp_path: Path) -> None:
-    """The tab's first section and first charts are the run's training metrics, not mpsrun's bookkeeping.
+def _shown(page, names: list[str], headings: str) -> list[str]:
+    """Section headings and chart titles among `names`, in the order the page shows them (it draws more as it scrolls)."""
+    return page.evaluate(
+        """([names, headings]) => Array.from(document.querySelectorAll('body *'))
+             .filter(e => e.children.length === 0 && (names.includes(e.textContent.trim()) || new RegExp(headings).test(e.textContent.trim())))
+             .map(e => e.textContent.trim())""",
+        [names, headings],
+    )
 
-    MLflow's UI puts every "prefix/" section before the unprefixed "Model metrics" one; mpsrun's
-    bookkeeping (`mpsrun/...` metrics once) now sits in mpsrun_timings.json.
+
+def test_model_metrics_tab_opens_with_the_users_training_metrics(page, ui_run: UiRun, tmp_path: Path) -> None:
+    """The tab's first section and first charts are the run's training metrics, not mpsrun's measurements.
+
+    MLflow's UI sorts charts by name and puts every "prefix/" section before the unprefixed
+    "Model metrics" one, except "system/", which has a tab of its own: mpsrun's times, throughput
+    and memory (per epoch and per run) are `system/...` and drawn there (track/records/names.py);
+    its bookkeeping sits in mpsrun_timings.json; the `final_*` copies of the last epoch are not logged.
     """
     metrics = ui_run.client().get_run(ui_run.run_id).data.metrics
     training = sorted(k for k in metrics if "/" not in k)  # what the run's Model metrics tab draws
-    assert {"train_loss", "val_loss", "val_accuracy"} <= set(training) and [k for k in metrics if "/" in k and not k.startswith("system/")] == []
+    assert training == ["lr", "train_loss", "val_accuracy", "val_loss"], training
+    measured = ["epoch_time_s", "train_time_s", "val_time_s", "train_samples_per_s", "memory_bytes",
+                "first_epoch_time_s", "steady_epoch_time_s", "total_train_time_s", "steady_train_samples_per_s", "peak_memory_bytes"]
+    assert {f"system/{k}" for k in measured} <= set(metrics) and not [k for k in metrics if "/" in k and not k.startswith("system/")]
     page.get_by_text("Model metrics", exact=True).first.click()
-    search = page.get_by_placeholder(re.compile("Search metric charts", re.I))
-    search.fill("")
+    page.get_by_placeholder(re.compile("Search metric charts", re.I)).fill("")
     page.locator(".js-plotly-plot").first.wait_for()
-    # section headings and chart titles, in the order the page shows them
-    shown = page.evaluate(
-        """(names) => Array.from(document.querySelectorAll('body *'))
-             .filter(e => e.children.length === 0 && (names.includes(e.textContent.trim()) || /^(Model metrics|mpsrun)$/.test(e.textContent.trim())))
-             .map(e => e.textContent.trim())""",
-        [*training, "best_epoch", "checkpoint_time_s", "mlflow_log_time_s", "epochs_done"],
-    )
-    charts = [t for t in shown if t in training]  # the charts drawn so far (the page draws more as it scrolls)
-    assert "mpsrun" not in shown and not {"best_epoch", "checkpoint_time_s", "mlflow_log_time_s", "epochs_done"} & set(shown), shown
-    assert len(charts) >= 6 and charts == training[:len(charts)], shown  # the first screen: the run's training metrics (MLflow sorts them)
-    assert shown[shown.index(charts[0]) - 1] == "Model metrics", shown  # under the first section's heading...
-    page.get_by_text(re.compile(rf"^Model metrics\s*\({len(training)}\)$")).first.wait_for()  # ...which holds every one, the losses included
+    page.get_by_text(re.compile(rf"^Model metrics\s*\({len(training)}\)$")).first.wait_for()  # the section holds every one, the losses included
+    page.locator(".js-plotly-plot").nth(len(training) - 1).wait_for()
+    shown = _shown(page, [*training, *measured, "best_epoch", "final_val_loss"], r"^(Model metrics|System metrics|mpsrun|system)")
+    charts = [t for t in shown if t in training]
+    assert not set(measured) & set(shown) and "final_val_loss" not in shown and "mpsrun" not in shown, shown
+    assert charts == training, shown  # the first screen: all of them, in MLflow's order, under...
+    assert shown[shown.index(charts[0]) - 1] == "Model metrics", shown  # ...the first section's heading
     page.screenshot(path=str(tmp_path / "model_metrics_first_screen.png"))
+    if os.environ.get("MPSRUN_UI_SHOTS"):  # a folder to keep the screenshots in, to look at by eye
+        page.screenshot(path=str(Path(os.environ["MPSRUN_UI_SHOTS"]) / "model_metrics_first_screen.png"))
+    # mpsrun's measurements are on the System metrics tab, one chart each, beside MLflow's samples
+    page.get_by_text("System metrics", exact=True).first.click()
+    page.get_by_placeholder(re.compile("Search metric charts", re.I)).fill("epoch_time_s")
+    page.get_by_text("epoch_time_s", exact=True).first.wait_for()
+    page.get_by_text("first_epoch_time_s", exact=True).first.wait_for()
+    page.get_by_text("steady_epoch_time_s", exact=True).first.wait_for()
+    page.get_by_placeholder(re.compile("Search metric charts", re.I)).fill("")
+    if os.environ.get("MPSRUN_UI_SHOTS"):
+        page.screenshot(path=str(Path(os.environ["MPSRUN_UI_SHOTS"]) / "system_metrics.png"))
 
 
 def test_model_metrics_tab_draws_the_val_loss_curve(page, ui_run: UiRun, tmp_path: Path) -> None:
@@ -254,3 +316,33 @@ def test_artifacts_tab_lists_the_figures(page, ui_run: UiRun, tmp_path: Path) ->
     if figures[0].lower().endswith((".png", ".jpg", ".jpeg")):
         page.locator("img[src^='blob:']").first.wait_for()  # the preview loads the file into a blob
     page.screenshot(path=str(tmp_path / "artifacts.png"), full_page=True)
+
+
+def test_ui_said_starting_then_the_link_and_a_signal_stops_its_server_and_frees_the_port(ui_run: UiRun) -> None:
+    """Last, on the same `mpsrun ui`: SIGTERM (what `docker stop` and Slurm send; SIGINT, 130, takes
+    the same path) stops mpsrun, the MLflow server it started and its workers; exit 143, port freed."""
+    proc, lines = ui_run.proc, ui_run.lines
+    said = lambda: [x for x in lines if x[0].startswith("MLflow UI: ")]  # noqa: E731  (the server's own lines interleave)
+    deadline = time.monotonic() + 30
+    while not said() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # "starting..." at once, before the server answers; the link only once it does, to the experiment's runs
+    assert lines and lines[0][0].startswith("starting the MLflow UI") and not lines[0][1], lines
+    assert "mlruns/mlflow.db" in lines[0][0], lines  # no flags: the store `mpsrun run` wrote in this folder
+    ((text, answered),) = said()
+    assert f"{ui_run.url}/#/experiments/{ui_run.experiment_id}/runs" in text and answered, lines
+    tree = descendants(proc.pid)
+    assert tree, "the server should run as a child of mpsrun ui"
+    assert not port_free(ui_run.port)
+    t = time.monotonic()
+    proc.send_signal(signal.SIGTERM)  # only mpsrun itself: it must pass the signal on
+    proc.wait(timeout=60)
+    err = ui_run.stderr.read_text()
+    assert proc.returncode == 143, "\n".join(x for x, _ in lines) + err
+    assert time.monotonic() - t < 30
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in tree if alive(p)], "orphaned server processes"
+    assert port_free(ui_run.port)
+    assert "Traceback" not in err

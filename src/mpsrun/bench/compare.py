@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mpsrun.recipe.matrix import fmt_value
+from mpsrun.track.records import names as mlflow_names
 
 if TYPE_CHECKING:  # pragma: no cover
     from rich.console import Console
@@ -252,7 +253,7 @@ def _child(run: Any) -> ChildRun:
         values=json.loads(t.get("bench.cell", "{}")),
         requested=t.get("device.requested", ""),
         actual=t.get("device.actual") if t.get("device.actual") not in (None, "none") else None,
-        metrics=dict(run.data.metrics),
+        metrics=mlflow_names.from_mlflow(run.data.metrics),  # system/steady_epoch_time_s -> steady_epoch_time_s
         train_size=int(size) if size and size.isdigit() else None,
         error=t.get("mpsrun.error"),
     )

@@ -29,6 +29,7 @@ from mpsrun.recipe.model import Recipe
 from mpsrun.track.store import client as tracking
 from mpsrun.track.store import owner
 from mpsrun.track.store.runs import EPOCHS_DONE_TAG
+from mpsrun.track.records import names as mlflow_names
 from mpsrun.track.records.standard import TIMINGS_FILE, bookkeeping
 from mpsrun.train import assemble as controls
 from mpsrun.train.ranks import distributed
@@ -406,7 +407,7 @@ def _listeners(setup: Setup, tracker: Any, listener: Listener | None, resume: Re
     class _Log(Listener):
         def on_epoch_end(self, m):  # type: ignore[no-untyped-def]
             if m.epoch not in landed:  # else logged before the stop, its checkpoint not (train/keep/resume.py: _landed_after)
-                tracker.log_metrics(m.metrics(), step=m.epoch)  # train_loss's steps say which epochs landed (resume)
+                tracker.log_metrics(mlflow_names.to_mlflow(m.metrics()), step=m.epoch)  # train_loss's steps say which epochs landed (resume)
             tracker.set_tags({EPOCHS_DONE_TAG: str(m.epoch + 1)})  # what `mpsrun runs` shows
 
     listeners = Listeners(listener, _Log())
@@ -436,10 +437,11 @@ def _close_records(setup: Setup, tracker: Any, rec: record.Recorder, result: Tra
     mpsrun's bookkeeping (what logging, figures, the model and checkpoints cost; the best epoch)
     goes to one artifact, `mpsrun_timings.json`, not to MLflow metrics: the UI draws a chart per
     metric, and prefixed sections come before the unprefixed one, so 14 bookkeeping charts stood
-    between a user and their losses on the run's "Model metrics" tab.
+    between a user and their losses on the run's "Model metrics" tab. The summary's timings go to
+    `system/` (the System metrics tab) and its `final_*` copies are left out (track/records/names.py).
     """
     recipe = setup.resolved.recipe
-    tracker.log_metrics(result.summary())
+    tracker.log_metrics(mlflow_names.to_mlflow(result.summary()))
     errors = tracker.flush()
     book: dict[str, Any] = {
         "mlflow_log_time_s": tracker.log_time_s,
