@@ -205,7 +205,8 @@ def test_the_nvjpeg_path_matches_pil_run_with_the_cpu_decoder(tmp_path: Path, mo
     files.append(str(root / "bad.jpg"))
     arr = np.zeros((len(files), 3, 32, 40), np.uint8)
     monkeypatch.setattr(gpu_decode, "BATCH", 2)  # several batches, read ahead while one decodes
-    left = gpu_decode.decode_gpu(files, list(range(len(files))), arr, device="cpu")
+    claims = decode.Claims(len(files))
+    left = gpu_decode.decode_gpu(files, list(range(len(files))), claims.back, arr, device="cpu")
     assert left == [(len(files) - 1, str(root / "bad.jpg"))]  # refused: goes to PIL, which judges it
     for i, f in enumerate(files[:-1]):
         ref = decode.load(f, 32, 40, gray=False).astype(int)
