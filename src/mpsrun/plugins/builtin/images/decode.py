@@ -1,9 +1,9 @@
 """Decode image files once, in parallel, straight into a uint8 memory map (N, C, H, W).
 
-Why worker processes that write into the map themselves: decoding is CPU-bound Python
+Why worker processes that write into the file themselves: decoding is CPU-bound Python
 (PIL releases the GIL only in parts), so threads would not scale, and sending decoded
 pixels back through a pipe would cost as much as decoding small images. Each worker
-opens the same file with `np.memmap(mode="r+")` and fills its rows; only counts and the
+writes its rows into the same file at their offsets (`os.pwritev`); only counts and the
 indices of files that failed come back.
 
 Why a shared two-ended counter (`Claims`) rather than a pool's task list: on a CUDA
@@ -131,22 +131,38 @@ class Claims:
 
 def _decode_claims(out: str, shape: tuple[int, int, int, int], paths: Sequence[str], order: Sequence[int], claims: Claims,
                    report: Callable[[int, list[tuple[int, str]]], None]) -> None:
-    """Take chunks from the front until none is left; decode each into the map; report (count, [(index, error)])."""
-    arr = np.memmap(out, dtype=np.uint8, mode="r+", shape=shape)
-    while True:
-        got = claims.front(CHUNK)
-        if not got:
-            break
-        bad = []
-        for pos in got:
-            i = order[pos]
-            try:
-                load_into(paths[i], arr[i])
-            except Exception as e:  # corrupt, truncated, not really an image: reported, never fatal here
-                bad.append((i, f"{type(e).__name__}: {str(e)[:120]}"))
-        report(len(got), bad)
-    arr.flush()
-    del arr
+    """Take chunks from the front until none is left; decode each into the file; report (count, [(index, error)]).
+
+    Why `pwritev` of each band's bytes rather than stores into a memory map: on the 2-core machine, 500 256px JPEGs
+    decoded and stored took 1.0-1.2 ms each with pwritev against 1.4-1.9 ms through the map (decoding alone 0.9-1.1):
+    one system call per image instead of a page fault per 4 KiB of a fresh file.
+    """
+    _, c, h, w = shape
+    row = c * h * w
+    fd = os.open(out, os.O_WRONLY)
+    arr = None if hasattr(os, "pwritev") else np.memmap(out, dtype=np.uint8, mode="r+", shape=shape)
+    try:
+        while True:
+            got = claims.front(CHUNK)
+            if not got:
+                break
+            bad = []
+            for pos in got:
+                i = order[pos]
+                try:
+                    if arr is not None:
+                        load_into(paths[i], arr[i])
+                    else:
+                        im = _decoded(paths[i], h, w, c == 1)
+                        os.pwritev(fd, [b.tobytes() for b in (im.split() if c > 1 else (im,))], i * row)
+                except Exception as e:  # corrupt, truncated, not really an image: reported, never fatal here
+                    bad.append((i, f"{type(e).__name__}: {str(e)[:120]}"))
+            report(len(got), bad)
+    finally:
+        os.close(fd)
+        if arr is not None:
+            arr.flush()
+            del arr
 
 
 def _worker(out: str, shape: tuple[int, int, int, int], paths: Sequence[str], order: Sequence[int], claims: Claims, q: Any) -> None:
