@@ -193,6 +193,8 @@ class Workers:
         self.bad: dict[int, str] = {}
         self.procs: list[Any] = []
         self.q = ctx.SimpleQueue() if n > 1 else None
+        if n > 1:
+            from PIL import Image  # noqa: F401 - imported before forking: no child imports it again, or waits on an import lock
         for _ in range(n if n > 1 else 0):
             p = ctx.Process(target=_worker, args=(*self.args, self.q), daemon=True)
             p.start()
