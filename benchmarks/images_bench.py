@@ -18,7 +18,11 @@ starting, graph capture), with the device synchronised around each epoch. Valida
     python benchmarks/images_bench.py --device cuda --model resnet18 --bf16 --channels-last \
         --batch 256 --size 256 --crop 224 --n 10000 --workers 8 15     # H100 (about 2-3 minutes)
 
-Appends the result (machine, command, figures) to docs/benchmarks.md with --record.
+    python benchmarks/images_bench.py --device cpu --size 256 --n 3000 --build-only   # the decode figure alone
+
+The cache build's line gives the whole build's img/s (what the user waits for) and its phases (scan,
+key, workers_start, gpu_init, decode, pil_retry, stats); PIL decoding alone in as many processes,
+nothing stored, follows it. Appends the result (machine, command, figures) to docs/benchmarks.md with --record.
 """
 
 from __future__ import annotations
