@@ -270,6 +270,31 @@ def test_a_gpu_decoder_that_cannot_start_is_said_and_tagged_simulated(tmp_path: 
     assert "decode " in s.info["tags"]["mpsrun.data.decode_phases"] and "stats " in s.info["tags"]["mpsrun.data.decode_phases"]
 
 
+def test_a_worker_that_dies_is_an_error_not_a_hang_and_leaves_no_cache_simulated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoding process killed mid-build (simulated: it exits on one file, as an out-of-memory kill would) must end the
+    build with an error naming what to do, leave no cache folder behind, and keep no worker running."""
+    from mpsrun.plugins.builtin.images import decode
+
+    real = decode._decoded
+
+    def dies_on_one(path: str, h: int, w: int, gray: bool):  # type: ignore[no-untyped-def]
+        if path.endswith("0003.jpg"):
+            os._exit(9)
+        return real(path, h, w, gray)
+
+    monkeypatch.setattr(decode, "_decoded", dies_on_one)  # inherited by the forked workers
+    monkeypatch.setattr(decode, "CHUNK", 4)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MPSRUN_CACHE", str(cache))
+    root = write(tmp_path / "dies", classes=2, per_class=40, size=24)
+    import multiprocessing
+
+    with pytest.raises(RuntimeError, match="image decoding worker ended without finishing"):
+        image_folder(str(root), size=16, workers=2, val_fraction=0.25)
+    assert [p.name for p in (cache / "images").iterdir() if not p.name.endswith(".lock")] == []
+    assert multiprocessing.active_children() == []
+
+
 def test_runs_starting_together_decode_once(tmp_path: Path, cache_dir: Path) -> None:
     """Two builders at once (DDP ranks, parallel bench cells): the lock lets one decode; the other reuses."""
     from concurrent.futures import ThreadPoolExecutor

@@ -111,6 +111,8 @@ def _build(folder: Path, paths: list[str], shape: tuple[int, int, int, int], wor
     tmp.mkdir()
     phases: dict[str, Optional[float]] = {"key": key_s}
     notes: list[str] = []
+    pool: Optional[decode.Workers] = None
+    claims: Optional[decode.Claims] = None
     try:
         out = tmp / "images.u8"
         with open(out, "wb") as f:
@@ -182,7 +184,11 @@ def _build(folder: Path, paths: list[str], shape: tuple[int, int, int, int], wor
             os.rename(tmp, folder)
         except OSError:  # another run built the same cache meanwhile: use it, drop ours
             shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
+    except BaseException:  # interrupted or failed: no worker or GPU batch goes on writing a file nobody will read
+        if claims is not None:
+            claims.close()
+        if pool is not None:
+            pool.stop()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     meter(total, total, final=f" in {seconds:.2f} s ({'; '.join(how)})")

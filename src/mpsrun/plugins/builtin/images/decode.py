@@ -234,6 +234,14 @@ class Workers:
             if p.is_alive():
                 p.kill()
 
+    def stop(self) -> None:
+        """End the workers now (the build was interrupted or failed): a long-lived process keeps no decoders behind."""
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+
 
 def context() -> Any:
     """fork on Linux (no re-import, nothing pickled); spawn on macOS, where fork is unsafe."""
