@@ -230,10 +230,22 @@ def test_pil_workers_and_the_gpu_thread_share_the_list_from_both_ends_run_with_t
     claims = decode.Claims(len(paths), ctx=ctx)
     arr = np.memmap(out, dtype=np.uint8, mode="r+", shape=shape)
     gpu_decode.BATCH, batch = 8, gpu_decode.BATCH
+
+    import threading
+
+    took = threading.Event()
+
+    def back_after_the_front_began(k: int) -> range:  # both ends take a share however loaded the machine is
+        got = claims.back(k)
+        took.set()
+        end = time.perf_counter() + 60
+        while claims.lo.value == 0 and time.perf_counter() < end:
+            time.sleep(0.01)
+        return got
+
     try:
-        gpu = gpu_decode.Thread(paths, order, claims.back, arr, device="cpu")
-        while not gpu.claimed and gpu.thread.is_alive():  # let it start, so both ends are sure to take a share
-            time.sleep(0.01)  # (a busy loop here would hold the GIL against the thread)
+        gpu = gpu_decode.Thread(paths, order, back_after_the_front_began, arr, device="cpu")
+        assert took.wait(60)  # its first claim made, then the workers start
         pool = decode.Workers(2, str(out), shape, paths, order, claims, ctx)
         while pool.poll(0.05):
             pass
