@@ -165,10 +165,11 @@ def _build(folder: Path, paths: list[str], shape: tuple[int, int, int, int], wor
             arr.flush()
             del arr
         phases["pil_retry"] = time.perf_counter() - t
-        n_gpu = (gpu.decoded - len(gpu_left)) if gpu is not None else 0
+        # failed midway: PIL decoded again every file the thread had taken, so it counts none
+        n_gpu = 0 if gpu is None or gpu.error else gpu.decoded - len(gpu_left)
         how = []
         if gpu is not None:
-            how.append(f"nvJPEG on the GPU: {n_gpu:,}")
+            how.append(f"nvJPEG on the GPU: {n_gpu:,}" + (" (still starting when PIL had finished)" if phases.get("gpu_init", 0) is None else ""))
         n_pil = total - n_gpu
         how.append(f"PIL in {len(pool.procs) or 1} process(es): {n_pil:,}")
         t = time.perf_counter()
