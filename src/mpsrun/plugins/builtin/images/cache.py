@@ -123,6 +123,7 @@ def _build(folder: Path, paths: list[str], shape: tuple[int, int, int, int], wor
         # PIL-only files first, JPEGs last: the GPU takes from the back and never goes below the first JPEG
         order = sorted(range(len(paths)), key=lambda i: decode.is_jpeg(paths[i])) if use_gpu else list(range(len(paths)))
         floor = sum(1 for i in order if not decode.is_jpeg(paths[i])) if use_gpu else len(order)
+        use_gpu = use_gpu and floor < len(order)  # no JPEG, nothing for nvJPEG
         ctx = decode.context()
         claims = decode.Claims(len(order), gpu_floor=floor, ctx=ctx)
         # one core is left to the GPU thread (reading files, launching kernels) when it runs
@@ -131,7 +132,7 @@ def _build(folder: Path, paths: list[str], shape: tuple[int, int, int, int], wor
         pool = decode.Workers(n_proc if workers > 1 else 1, str(out), shape, paths, order, claims, ctx)  # forked before CUDA starts
         phases["workers_start"] = time.perf_counter() - t
         gpu = None
-        if use_gpu and floor < len(order):
+        if use_gpu:
             arr = np.memmap(out, dtype=np.uint8, mode="r+", shape=shape)
             gpu = gpu_decode.Thread(paths, order, claims.back, arr)
         total = len(paths)
