@@ -202,6 +202,9 @@ def test_the_nvjpeg_path_matches_pil_run_with_the_cpu_decoder(tmp_path: Path, mo
 
     root = write(tmp_path / "nv", classes=2, per_class=3, size=48)
     files = sorted(str(p) for p in root.rglob("*.jpg"))
+    wide = np.random.default_rng(3).integers(0, 256, (40, 72, 3), dtype=np.uint8)
+    Image.fromarray(wide).save(root / "wide.jpg", quality=95)  # another size in the same batch: resized apart
+    files.insert(1, str(root / "wide.jpg"))
     (root / "bad.jpg").write_bytes(b"\xff\xd8\xff garbage")
     files.append(str(root / "bad.jpg"))
     arr = np.zeros((len(files), 3, 32, 40), np.uint8)
