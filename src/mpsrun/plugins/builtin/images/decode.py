@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,6 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-Progress = Callable[[int, int], None]  # (done, total)
 CHUNK = 32  # files per claim of a PIL worker: small enough for a live progress bar and an even finish
 
 
