@@ -258,7 +258,7 @@ class Meter:
 
     def __call__(self, done: int, total: int, final: str = "") -> None:
         now = time.perf_counter()
-        if not final and (done >= total or now - self.last < (0.25 if self.tty else 5.0)):
+        if not final and (done == 0 or done >= total or now - self.last < (0.25 if self.tty else 5.0)):
             return  # the last line is the caller's, with the whole build's time
         self.last = now
         rate = done / max(now - self.t0, 1e-9)
