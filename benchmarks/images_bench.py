@@ -18,7 +18,11 @@ starting, graph capture), with the device synchronised around each epoch. Valida
     python benchmarks/images_bench.py --device cuda --model resnet18 --bf16 --channels-last \
         --batch 256 --size 256 --crop 224 --n 10000 --workers 8 15     # H100 (about 2-3 minutes)
 
-Appends the result (machine, command, figures) to docs/benchmarks.md with --record.
+    python benchmarks/images_bench.py --device cpu --size 256 --n 3000 --build-only   # the decode figure alone
+
+The cache build's line gives the whole build's img/s (what the user waits for) and its phases (scan,
+key, workers_start, gpu_init, decode, pil_retry, stats); PIL decoding alone in as many processes,
+nothing stored, follows it. Appends the result (machine, command, figures) to docs/benchmarks.md with --record.
 """
 
 from __future__ import annotations
@@ -64,6 +68,27 @@ def write_folder(root: Path, n: int, classes: int, size: int, val: int) -> None:
         jobs += [(str(root / split / f"c{i % classes:02d}" / f"{i:06d}.jpg"), i % classes, size, i + (0 if split == "train" else 10**7)) for i in range(count)]
     with get_context("fork" if sys.platform != "darwin" else "spawn").Pool(os.cpu_count()) as pool:
         pool.map(_write_one, jobs, chunksize=64)
+
+
+def _decode_only(args: tuple) -> int:
+    from mpsrun.plugins.builtin.images import decode
+
+    paths, size = args
+    for p in paths:
+        decode._decoded(p, size, size, False)
+    return len(paths)
+
+
+def pil_decode_only(root: Path, size: int, workers: int) -> float:
+    """img/s of PIL decoding (and resizing) alone in `workers` forked processes, nothing stored: set beside the build's
+    decode phase, it says whether decoding or writing into the memory map bounds the CPU side."""
+    paths = sorted(str(p) for p in root.rglob("*.jpg"))
+    chunks = [(paths[i : i + 32], size) for i in range(0, len(paths), 32)]
+    with get_context("fork" if sys.platform != "darwin" else "spawn").Pool(workers) as pool:
+        pool.map(_decode_only, chunks[:workers])  # started and warm before timing
+        t0 = time.perf_counter()
+        n = sum(pool.imap_unordered(_decode_only, chunks))
+        return n / (time.perf_counter() - t0)
 
 
 def build_model(name: str, classes: int, crop: int) -> nn.Module:
@@ -157,6 +182,8 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--channels-last", action="store_true")
     ap.add_argument("--record", action="store_true", help="append the result to docs/benchmarks.md")
+    ap.add_argument("--build-only", action="store_true", help="only the cache build (the decode figure), no training")
+    ap.add_argument("--decode-workers", type=int, default=None, help="dataset.workers for the cache build (default: all cores)")
     a = ap.parse_args()
     device = torch.device(a.device)
     threads = a.threads or (1 if device.type == "cpu" else None)
@@ -181,18 +208,28 @@ def main() -> None:
         from mpsrun.train.loop import augment
 
         t0 = time.perf_counter()
-        splits = image_folder(str(root), size=a.size)
+        splits = image_folder(str(root), size=a.size, workers=a.decode_workers)
         build_s = time.perf_counter() - t0
         n_all = len(splits.train) + len(splits.val)
-        decode_rate = n_all / build_s
-        say(f"mpsrun cache build: {n_all:,} images in {build_s:.2f} s = {decode_rate:,.0f} img/s ({splits.info['tags'].get('mpsrun.data.decode', '')})")
+        tags = splits.info["tags"]
+        say(f"mpsrun cache build: {n_all:,} images in {build_s:.2f} s = {n_all / build_s:,.0f} img/s whole build, files in the page cache (just written) "
+            f"({tags.get('mpsrun.data.decode', '')}; {tags.get('mpsrun.data.decode_phases', '')})")
+        for note in splits.info.get("notes", []):
+            say(f"  note: {note}")
         if device.type == "cuda":  # the CPU decoders alone, for comparison (a second fresh cache)
             os.environ["MPSRUN_CACHE"] = str(Path(tmp) / "cache_cpu")
             os.environ["MPSRUN_IMAGE_DECODE"] = "cpu"
             t0 = time.perf_counter()
-            image_folder(str(root), size=a.size)
-            say(f"mpsrun cache build, PIL workers only: {n_all / (time.perf_counter() - t0):,.0f} img/s")
+            alone = image_folder(str(root), size=a.size, workers=a.decode_workers)
+            say(f"mpsrun cache build, PIL workers only: {n_all / (time.perf_counter() - t0):,.0f} img/s whole build "
+                f"({alone.info['tags'].get('mpsrun.data.decode', '')}; {alone.info['tags'].get('mpsrun.data.decode_phases', '')})")
             os.environ.pop("MPSRUN_IMAGE_DECODE")
+            del alone
+        w = a.decode_workers or len(os.sched_getaffinity(0))
+        say(f"PIL decoding alone (nothing stored), {w} processes: {pil_decode_only(root, a.size, w):,.0f} img/s")
+        if a.build_only:
+            say(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
+            return
         # the recipe entries' checked values, as plain objects (so the benchmark needs no pydantic)
         steps = [SimpleNamespace(name="random_resized_crop", args=SimpleNamespace(size=a.crop, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3))),
                  SimpleNamespace(name="random_horizontal_flip", args=SimpleNamespace(p=0.5))]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -201,15 +202,112 @@ def test_the_nvjpeg_path_matches_pil_run_with_the_cpu_decoder(tmp_path: Path, mo
 
     root = write(tmp_path / "nv", classes=2, per_class=3, size=48)
     files = sorted(str(p) for p in root.rglob("*.jpg"))
+    wide = np.random.default_rng(3).integers(0, 256, (40, 72, 3), dtype=np.uint8)
+    Image.fromarray(wide).save(root / "wide.jpg", quality=95)  # another size in the same batch: resized apart
+    files.insert(1, str(root / "wide.jpg"))
     (root / "bad.jpg").write_bytes(b"\xff\xd8\xff garbage")
     files.append(str(root / "bad.jpg"))
     arr = np.zeros((len(files), 3, 32, 40), np.uint8)
     monkeypatch.setattr(gpu_decode, "BATCH", 2)  # several batches, read ahead while one decodes
-    left = gpu_decode.decode_gpu(files, list(range(len(files))), arr, device="cpu")
+    claims = decode.Claims(len(files))
+    left = gpu_decode.decode_gpu(files, list(range(len(files))), claims.back, arr, device="cpu")
     assert left == [(len(files) - 1, str(root / "bad.jpg"))]  # refused: goes to PIL, which judges it
     for i, f in enumerate(files[:-1]):
         ref = decode.load(f, 32, 40, gray=False).astype(int)
         assert np.abs(arr[i].astype(int) - ref).mean() < 6, f
+
+
+def test_pil_workers_and_the_gpu_thread_share_the_list_from_both_ends_run_with_the_cpu_decoder(tmp_path: Path) -> None:
+    """The CUDA build's scheduling, here with torchvision's CPU decoder on the thread: forked PIL workers take from the
+    front, the decoder thread from the back; every file decoded once, by one of them, to PIL's pixels."""
+    from mpsrun.plugins.builtin.images import decode, gpu_decode
+
+    root = write(tmp_path / "both", classes=2, per_class=40, size=40)
+    paths = sorted(str(p) for p in root.rglob("*.jpg"))
+    shape = (len(paths), 3, 32, 32)
+    out = tmp_path / "map.u8"
+    with open(out, "wb") as f:
+        f.truncate(int(np.prod(shape)))
+    ctx = decode.context()
+    order = list(range(len(paths)))
+    claims = decode.Claims(len(paths), ctx=ctx)
+    arr = np.memmap(out, dtype=np.uint8, mode="r+", shape=shape)
+    gpu_decode.BATCH, batch = 8, gpu_decode.BATCH
+
+    import threading
+
+    took = threading.Event()
+
+    def back_after_the_front_began(k: int) -> range:  # both ends take a share however loaded the machine is
+        got = claims.back(k)
+        took.set()
+        end = time.perf_counter() + 60
+        while claims.lo.value == 0 and time.perf_counter() < end:
+            time.sleep(0.01)
+        return got
+
+    try:
+        gpu = gpu_decode.Thread(paths, order, back_after_the_front_began, arr, device="cpu")
+        assert took.wait(60)  # its first claim made, then the workers start
+        pool = decode.Workers(2, str(out), shape, paths, order, claims, ctx)
+        while pool.poll(0.05):
+            pass
+        pool.join()
+        claims.close()
+        gpu.join()
+    finally:
+        gpu_decode.BATCH = batch
+    assert gpu.error is None and gpu.left == [] and not pool.bad
+    assert gpu.decoded > 0 and pool.done > 0 and gpu.decoded + pool.done == len(paths)  # no file twice, none missed
+    assert sorted(gpu.claimed) == list(range(len(paths) - gpu.decoded, len(paths)))  # the thread's share is the back
+    arr = np.memmap(out, dtype=np.uint8, mode="r", shape=shape)
+    for i, p in enumerate(paths):
+        assert np.abs(arr[i].astype(int) - decode.load(p, 32, 32, gray=False).astype(int)).mean() < 6, p
+
+
+def test_a_gpu_decoder_that_cannot_start_is_said_and_tagged_simulated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No CUDA here: the GPU path is switched on and its start made to fail (as a broken nvJPEG would); PIL decodes
+    everything, and the screen, the notes and the decode tag say why."""
+    from mpsrun.plugins.builtin.images import cache as cmod
+    from mpsrun.plugins.builtin.images import gpu_decode
+
+    def broken(device: str, c: int) -> None:
+        raise RuntimeError("nvJPEG unavailable (simulated)")
+
+    monkeypatch.setenv("MPSRUN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cmod, "gpu_wanted", lambda: True)
+    monkeypatch.setattr(gpu_decode, "warm", broken)
+    root = write(tmp_path / "nogpu", classes=2, per_class=6, size=24)
+    s = image_folder(str(root), size=16, workers=1, val_fraction=0.25)
+    assert len(s.train) + len(s.val) == 12
+    assert any("GPU decoding (nvJPEG) failed, PIL decoded its files instead: RuntimeError: nvJPEG unavailable" in n for n in s.info["notes"])
+    assert s.info["tags"]["mpsrun.data.decode"] == "nvJPEG on the GPU: 0; PIL in 1 process(es): 12"
+    assert "decode " in s.info["tags"]["mpsrun.data.decode_phases"] and "stats " in s.info["tags"]["mpsrun.data.decode_phases"]
+
+
+def test_a_worker_that_dies_is_an_error_not_a_hang_and_leaves_no_cache_simulated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoding process killed mid-build (simulated: it exits on one file, as an out-of-memory kill would) must end the
+    build with an error naming what to do, leave no cache folder behind, and keep no worker running."""
+    from mpsrun.plugins.builtin.images import decode
+
+    real = decode._decoded
+
+    def dies_on_one(path: str, h: int, w: int, gray: bool):  # type: ignore[no-untyped-def]
+        if path.endswith("0003.jpg"):
+            os._exit(9)
+        return real(path, h, w, gray)
+
+    monkeypatch.setattr(decode, "_decoded", dies_on_one)  # inherited by the forked workers
+    monkeypatch.setattr(decode, "CHUNK", 4)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MPSRUN_CACHE", str(cache))
+    root = write(tmp_path / "dies", classes=2, per_class=40, size=24)
+    import multiprocessing
+
+    with pytest.raises(RuntimeError, match="image decoding worker ended without finishing"):
+        image_folder(str(root), size=16, workers=2, val_fraction=0.25)
+    assert [p.name for p in (cache / "images").iterdir() if not p.name.endswith(".lock")] == []
+    assert multiprocessing.active_children() == []
 
 
 def test_runs_starting_together_decode_once(tmp_path: Path, cache_dir: Path) -> None:

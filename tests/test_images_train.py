@@ -40,6 +40,48 @@ def _images(n: int = 8, shape=(3, 32, 32), same: bool = False) -> torch.Tensor:
 CROP_FLIP = [{"name": "random_resized_crop", "size": 24}, {"name": "random_horizontal_flip"}, {"name": "color_jitter", "brightness": 0.3, "contrast": 0.3, "saturation": 0.3}]
 
 
+def test_ranks_draw_the_global_batch_s_augmentation_and_keep_their_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under DDP each rank augments its share of every global batch as one process would (the shards' real plan and
+    iterator, two ranks simulated in this process by setting the job's context): the same seed on every rank, the
+    parameters drawn for the global batch, each rank's slice kept; the full batches and the shared tail (3 + 3 of 6)."""
+    from mpsrun.train.loop import shards, steps
+    from mpsrun.train.loop.data import plan_batches
+    from mpsrun.train.ranks import distributed
+
+    x, y = _images(22, shape=(3, 16, 16)), torch.arange(22) % 2
+    ds = torch.utils.data.TensorDataset(x, y)
+
+    graph_path = False
+
+    def batches(world: int, rank: int) -> list[torch.Tensor]:
+        a = _aug(CROP_FLIP, shape=(3, 16, 16))
+        plan = plan_batches(ds, ds, batch_size=8, device=torch.device("cpu"), seed=0, transform=a.eval, train_transform=a.train,
+                            resident=True, max_bytes=2**30, free_bytes=None)
+        if world > 1:
+            monkeypatch.setattr(distributed, "_ctx", distributed.Context(rank, rank, world, world, 1))
+            plan, _ = shards.share(plan, 8, 0)
+            monkeypatch.setattr(distributed, "_ctx", None)
+        torch.manual_seed(0)  # every rank seeds the same
+        if not graph_path:
+            return [plan.train_transform(xb) for xb, _ in plan.train]
+        # as CUDA graphs run a rank's epoch (train/loop/steps.py): no iterator, the share placed per step before capture
+        x_epoch, _ = plan.train.epoch_tensors()
+        out, i = [], 0
+        for size, w in zip(plan.train.lay.steps, plan.train.lay.weights):
+            steps._place_share(plan.train, size, w)
+            out.append(plan.train_transform(x_epoch[i : i + size]))
+            i += size
+        return out
+
+    one = batches(1, 0)
+    for graph_path in (False, True):
+        ranks = [batches(2, r) for r in range(2)]
+        assert [len(b) for b in one] == [8, 8, 6] and [len(b) for b in ranks[0]] == [4, 4, 3]
+        for k, whole in enumerate(one):
+            assert torch.allclose(torch.cat([ranks[0][k], ranks[1][k]]), whole, atol=1e-5), (graph_path, k)
+        assert not torch.allclose(ranks[0][0], ranks[1][0])  # the ranks' samples are not augmented alike
+
+
 def test_augmentation_is_seeded_and_drawn_per_sample() -> None:
     a = _aug(CROP_FLIP)
     x = _images(same=True)  # eight copies of one image

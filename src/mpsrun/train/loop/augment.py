@@ -24,12 +24,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from mpsrun.plugins.contract import ImageTransform
+
+
+Rand = Callable[..., torch.Tensor]  # rand(*cols) -> (n, *cols) uniform numbers for this process's n samples
 
 
 class AugmentError(ValueError):
@@ -55,6 +58,10 @@ class DeviceAugment:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     rgb: bool = False
+    # Under DDP: this step's place in the global batch (`shards.StepWeight`: `start`, `total`), set by the batches'
+    # iterator. Every rank seeds the same, so each draws the parameters for the whole global batch and keeps its own
+    # slice: the samples get what one process would give them, and the generators advance as one process's does.
+    share: Any = None
     # mean and std per device, made on the first call: a CUDA graph capture forbids host-to-device copies
     _coef: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -75,7 +82,13 @@ class DeviceAugment:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, c = x.shape[0], x.shape[1]
         dev = x.device
-        theta, zeros = self._theta(n, dev)
+        start, total = (self.share.start, self.share.total) if self.share is not None and self.share.total else (0, n)
+
+        def rand(*cols: int) -> torch.Tensor:  # this rank's rows of a draw for the whole (global) batch
+            u = torch.rand(total, *cols, device=dev)
+            return u if total == n else u[start : start + n]
+
+        theta, zeros = self._theta(n, dev, rand)
         x = x.float()
         if theta is not None or tuple(x.shape[-2:]) != self.out_hw:
             if theta is None:
@@ -86,7 +99,7 @@ class DeviceAugment:
             x = x * self.scale
             for name, a in self.steps:
                 if name == "color_jitter":
-                    x = _jitter(x, a)
+                    x = _jitter(x, a, rand)
             mean, std = self._mean_std(dev)
             x = (x - mean) / std
         else:
@@ -96,19 +109,19 @@ class DeviceAugment:
             x = x.expand(-1, 3, -1, -1)
         return x
 
-    def _theta(self, n: int, dev: torch.device) -> tuple[Optional[torch.Tensor], bool]:
+    def _theta(self, n: int, dev: torch.device, rand: Rand) -> tuple[Optional[torch.Tensor], bool]:
         """Per-sample output->input maps (normalised coordinates), composed in recipe order."""
         m: Optional[torch.Tensor] = None
         zeros = False
         hw = self.in_hw
         for name, a in self.steps:
             if name == "random_resized_crop":
-                step, hw = _resized_crop(n, dev, hw, a)
+                step, hw = _resized_crop(n, dev, hw, a, rand)
             elif name == "random_crop":
-                step, hw = _crop(n, dev, hw, a)
+                step, hw = _crop(n, dev, hw, a, rand)
                 zeros = zeros or a.padding > 0
             elif name == "random_horizontal_flip":
-                step = _flip(n, dev, a.p)
+                step = _flip(n, dev, a.p, rand)
             else:
                 continue
             m = step if m is None else m @ step  # input <- (earlier steps) <- this step <- output
@@ -120,9 +133,9 @@ def _affine(sx: torch.Tensor, sy: torch.Tensor, tx: torch.Tensor, ty: torch.Tens
     return torch.stack([torch.stack([sx, z, tx], 1), torch.stack([z, sy, ty], 1), torch.stack([z, z, o], 1)], 1)
 
 
-def _resized_crop(n: int, dev: torch.device, hw: tuple[int, int], a: Any) -> tuple[torch.Tensor, tuple[int, int]]:
+def _resized_crop(n: int, dev: torch.device, hw: tuple[int, int], a: Any, rand: Rand) -> tuple[torch.Tensor, tuple[int, int]]:
     h, w = hw
-    u = torch.rand(n, 4, device=dev)
+    u = rand(4)
     area = a.scale[0] + (a.scale[1] - a.scale[0]) * u[:, 0]
     lo, hi = math.log(a.ratio[0]), math.log(a.ratio[1])
     ratio = torch.exp(lo + (hi - lo) * u[:, 1])
@@ -133,39 +146,39 @@ def _resized_crop(n: int, dev: torch.device, hw: tuple[int, int], a: Any) -> tup
     return _affine(fw, fh, cx, cy), _hw(a.size, hw)
 
 
-def _crop(n: int, dev: torch.device, hw: tuple[int, int], a: Any) -> tuple[torch.Tensor, tuple[int, int]]:
+def _crop(n: int, dev: torch.device, hw: tuple[int, int], a: Any, rand: Rand) -> tuple[torch.Tensor, tuple[int, int]]:
     h, w = hw
     oh, ow = _hw(a.size, hw)
     p = a.padding
-    u = torch.rand(n, 2, device=dev)
+    u = rand(2)
     ox = torch.floor(u[:, 0] * (w + 2 * p - ow + 1)).clamp(max=w + 2 * p - ow)  # whole-pixel offsets: exact samples
     oy = torch.floor(u[:, 1] * (h + 2 * p - oh + 1)).clamp(max=h + 2 * p - oh)
     one = torch.ones(n, device=dev)
     return _affine(one * (ow / w), one * (oh / h), (ow + 2 * (ox - p)) / w - 1, (oh + 2 * (oy - p)) / h - 1), (oh, ow)
 
 
-def _flip(n: int, dev: torch.device, p: float) -> torch.Tensor:
-    sign = 1 - 2 * (torch.rand(n, device=dev) < p).float()
+def _flip(n: int, dev: torch.device, p: float, rand: Rand) -> torch.Tensor:
+    sign = 1 - 2 * (rand() < p).float()
     one = torch.ones(n, device=dev)
     zero = torch.zeros(n, device=dev)
     return _affine(sign, one, zero, zero)
 
 
-def _factor(n: int, dev: torch.device, amount: float) -> torch.Tensor:
+def _factor(n: int, amount: float, rand: Rand) -> torch.Tensor:
     lo = max(0.0, 1 - amount)
-    return (lo + (1 + amount - lo) * torch.rand(n, device=dev)).view(n, 1, 1, 1)
+    return (lo + (1 + amount - lo) * rand()).view(n, 1, 1, 1)
 
 
-def _jitter(x: torch.Tensor, a: Any) -> torch.Tensor:
+def _jitter(x: torch.Tensor, a: Any, rand: Rand) -> torch.Tensor:
     n, c = x.shape[0], x.shape[1]
     if a.brightness > 0:
-        x = (x * _factor(n, x.device, a.brightness)).clamp(0, 1)
+        x = (x * _factor(n, a.brightness, rand)).clamp(0, 1)
     if a.contrast > 0:
         gray = _gray(x).mean(dim=(1, 2, 3), keepdim=True)
-        f = _factor(n, x.device, a.contrast)
+        f = _factor(n, a.contrast, rand)
         x = (f * x + (1 - f) * gray).clamp(0, 1)
     if a.saturation > 0 and c == 3:
-        f = _factor(n, x.device, a.saturation)
+        f = _factor(n, a.saturation, rand)
         x = (f * x + (1 - f) * _gray(x)).clamp(0, 1)
     return x
 

@@ -39,6 +39,8 @@ class StepWeight:
 
     value: float = 1.0
     world: int = 1
+    start: int = 0  # where this rank's share begins in the step's global batch (the augmentation draws for all of it)
+    total: int = 0  # the step's global batch size; 0 outside a sharded epoch
 
 
 def share_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
@@ -52,6 +54,8 @@ class Layout:
 
     positions: torch.Tensor  # indices into the epoch's global order
     steps: list[int]  # this rank's batch size per step
+    starts: list[int]  # where this rank's share begins in each step's global batch
+    totals: list[int]  # each step's global batch size
     weights: list[float]  # all-reduce weight per step
     global_samples: int  # samples every rank's steps cover together
     dropped: int  # tail samples nobody takes (tail < world size)
@@ -64,17 +68,19 @@ def layout(n: int, batch: int, world: int, rank: int) -> Layout:
     if full:
         starts = torch.arange(full) * batch + rank * b
         pos.append((starts[:, None] + torch.arange(b)[None, :]).reshape(-1))
-    steps, weights = [b] * full, [1.0] * full
+    steps, weights, starts, totals = [b] * full, [1.0] * full, [rank * b] * full, [batch] * full
     dropped = 0
     if tail >= world:
         s, e = share_bounds(tail, world, rank)
         pos.append(torch.arange(full * batch + s, full * batch + e))
         steps.append(e - s)
         weights.append((e - s) * world / tail)
+        starts.append(s)
+        totals.append(tail)
     else:
         dropped = tail
     positions = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.long)
-    return Layout(positions, steps, weights, n - dropped, dropped)
+    return Layout(positions, steps, starts=starts, totals=totals, weights=weights, global_samples=n - dropped, dropped=dropped)
 
 
 class ShardResidentBatches(ResidentBatches):
@@ -105,8 +111,8 @@ class ShardResidentBatches(ResidentBatches):
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         x, y = self.epoch_tensors()
         i = 0
-        for size, w in zip(self.lay.steps, self.lay.weights):
-            self.weight.value = w
+        for size, w, start, total in zip(self.lay.steps, self.lay.weights, self.lay.starts, self.lay.totals):
+            self.weight.value, self.weight.start, self.weight.total = w, start, total
             yield x[i : i + size], y[i : i + size]
             i += size
 
@@ -154,8 +160,8 @@ class ShardLoaderBatches(LoaderBatches):
         self.weight = weight
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for (xb, yb), w in zip(super().__iter__(), self.lay.weights):
-            self.weight.value = w
+        for (xb, yb), w, start, total in zip(super().__iter__(), self.lay.weights, self.lay.starts, self.lay.totals):
+            self.weight.value, self.weight.start, self.weight.total = w, start, total
             yield xb, yb
 
 
@@ -190,5 +196,7 @@ def share(plan: BatchPlan, batch_size: int, seed: int) -> tuple[BatchPlan, list[
             f"distributed: the last batch of each epoch ({train.lay.dropped} samples) is smaller than the {world} ranks "
             "and is dropped (every rank must take every step); the trajectory differs from one process there"
         )
+    if hasattr(plan.train_transform, "share"):  # device augmentation: parameters drawn for the global batch, sliced
+        plan.train_transform.share = weight
     val = _val_share(plan.val, batch_size, world, rank)
     return BatchPlan(train, val, plan.resident, plan.reason + f"; rank {rank}'s share of each global batch of {batch_size}", plan.transform, plan.train_transform), notes

@@ -215,6 +215,8 @@ class GraphTrainer(Trainer):
             assert isinstance(batches, ResidentBatches)
             (self.model.train if kind == "train" else self.model.eval)()
             for k, b, w in sorted(set(self._groups(batches, batches.n)), reverse=True):
+                if kind == "train":
+                    _place_share(batches, b, w)
                 self._graph(kind, k, b, batches.x[: k * b], batches.y[: k * b], w)
         self.model.train()
 
@@ -222,6 +224,8 @@ class GraphTrainer(Trainer):
         i = 0
         for k, bs, w in self._groups(batches, len(y)):
             xs, ys = x[i : i + k * bs], y[i : i + k * bs]
+            if kind == "train":
+                _place_share(batches, bs, w)  # for a graph captured here, on first use
             g, sx, sy = self._graph(kind, k, bs, xs, ys, w)
             sx.copy_(xs.view(sx.shape))
             sy.copy_(ys.view(sy.shape))
@@ -248,6 +252,19 @@ class GraphTrainer(Trainer):
         graph_sync.sync_buffers(self.model)
         x, y = plan.val.epoch_tensors()
         self._replay("val", plan.val, x, y, None)
+
+
+def _place_share(batches: Any, b: int, w: float) -> None:
+    """A rank's step of size `b` and weight `w`: where its share sits in the global batch, for the augmentation
+    (`augment.DeviceAugment.share`), which reads it while the step is captured. The graphs replay without the
+    batches' iterator, which sets it on the eager path. A full step and the tail differ in size or weight."""
+    lay, share = getattr(batches, "lay", None), getattr(batches, "weight", None)
+    if lay is None or share is None:
+        return
+    for size, weight, start, total in zip(lay.steps, lay.weights, lay.starts, lay.totals):
+        if size == b and weight == w:
+            share.start, share.total = start, total
+            return
 
 
 def snapshot_state(model: nn.Module, optimizer: torch.optim.Optimizer, extra: tuple[torch.Tensor, ...]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ normalises with the dataset's own per-channel mean and std, on the device.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Literal, Optional, Union
 
 import numpy as np
@@ -47,9 +48,10 @@ def image_folder(
     mpsrun.data.skipped) or fail (exit 2). A relative root is read from the working
     folder, else from the recipe's folder.
     """
+    t0 = time.perf_counter()
     path = scan.resolve_path(root, recipe_dir, "dataset.root")
     listing = scan.scan_folder(path)
-    return _splits(listing, size, mode, val_fraction, on_bad_image, workers, seed)
+    return _splits(listing, size, mode, val_fraction, on_bad_image, workers, seed, time.perf_counter() - t0)
 
 
 def image_csv(
@@ -69,9 +71,10 @@ def image_csv(
     Class names are the sorted label names (or "0".."K-1" for integer labels). Same
     size, mode, val_fraction, on_bad_image, workers and cache as image_folder.
     """
+    t0 = time.perf_counter()
     path = scan.resolve_path(csv, recipe_dir, "dataset.csv")
     listing = scan.scan_csv(path, path_column, label_column)
-    return _splits(listing, size, mode, val_fraction, on_bad_image, workers, seed)
+    return _splits(listing, size, mode, val_fraction, on_bad_image, workers, seed, time.perf_counter() - t0)
 
 
 def _hw(size: Union[int, list[int]]) -> tuple[int, int]:
@@ -122,6 +125,7 @@ def _splits(
     on_bad_image: str,
     workers: Optional[int],
     seed: int,
+    scan_s: float = 0.0,
 ) -> DataSplits:
     h, w = _hw(size)
     if workers is not None and workers < 1:
@@ -132,11 +136,13 @@ def _splits(
     cache = cache_mod.open_or_build(files, h, w, mode, workers)
     if cache.status == "reused":  # the build says so with its progress line; a reuse in one line
         print(f"images: {len(files):,} decoded earlier, read from {cache.folder} (no image file opened)", file=sys.stderr, flush=True)
-    notes: list[str] = []
+    notes: list[str] = list(cache.notes)
     tags = {"mpsrun.data.cache": cache.status, "mpsrun.data.cache_dir": str(cache.folder)}
     if cache.status == "built":  # the progress line said it on screen; the run keeps the figure
-        tags["mpsrun.data.decode_img_per_s"] = f"{len(files) / max(cache.seconds, 1e-9):.0f}"
+        tags["mpsrun.data.decode_img_per_s"] = f"{len(files) / max(scan_s + cache.seconds, 1e-9):.0f}"  # as the user waits: scan to cache ready
         tags["mpsrun.data.decode"] = "; ".join(cache.how)
+        phases = {"scan": scan_s, **cache.phases}  # where the first run's wait went
+        tags["mpsrun.data.decode_phases"] = ", ".join(f"{k} {'not waited for' if v is None else f'{v:.2f} s'}" for k, v in phases.items())
     if cache.bad:
         shown = "; ".join(f"{files[i]} ({why})" for i, why in list(cache.bad.items())[:SHOWN_BAD])
         more = f" and {len(cache.bad) - SHOWN_BAD} more" if len(cache.bad) > SHOWN_BAD else ""

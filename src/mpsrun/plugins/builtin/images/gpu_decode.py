@@ -2,25 +2,30 @@
 
 Why: a 16-core host decodes a few thousand small JPEGs per second with PIL; nvJPEG on an
 H100 decodes batches of them in a fraction of that time, and the resize runs there too.
-Files are read by a thread pool (reading releases the GIL), decoded in batches, cropped to
-the target's aspect ratio, resized with antialiasing (as PIL's resize does) and copied
-into the same uint8 memory map the CPU path fills. Anything nvJPEG refuses (a corrupt file,
-an unusual JPEG) is returned to the caller, which sends it through PIL: so corrupt files are
-judged the same way on every machine.
+It starts late (CUDA context, nvJPEG handles, the resize kernels: seconds on a fresh
+process), so it runs on a thread beside the PIL workers (`decode.Claims`): they decode from
+the front of the list while it starts, it takes batches from the back once ready. Files are
+read by a thread pool (reading releases the GIL), decoded in batches, cropped to the
+target's aspect ratio and resized with antialiasing (as PIL's resize does) in one call per
+batch of same-sized images, and copied into the same uint8 memory map the CPU path fills
+on a writer thread while the next batch decodes. Anything nvJPEG refuses (a corrupt file,
+an unusual JPEG) is returned to the caller, which sends it through PIL: so corrupt files
+are judged the same way on every machine.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from typing import Optional, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from mpsrun.plugins.builtin.images.decode import Progress
-
 BATCH = 256
 AHEAD = 3  # batches whose files are being read while one decodes
+READERS = 16  # threads reading files (I/O releases the GIL; a page-cache read is a memcpy)
 
 
 def available() -> bool:
@@ -32,27 +37,38 @@ def available() -> bool:
         return False
 
 
+def warm(device: str, c: int) -> None:
+    """Start everything the first batch would wait for: the CUDA context, nvJPEG, the resize kernels."""
+    import torch
+    import torch.nn.functional as F
+    from torchvision.io import ImageReadMode, decode_jpeg, encode_jpeg
+
+    tiny = encode_jpeg(torch.zeros((3, 16, 16), dtype=torch.uint8))
+    img = decode_jpeg([tiny, tiny], mode=ImageReadMode.GRAY if c == 1 else ImageReadMode.RGB, device=device)[0]
+    F.interpolate(img[None].float(), size=(8, 8), mode="bilinear", antialias=True, align_corners=False)
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def decode_gpu(
     paths: Sequence[str],
-    indices: Sequence[int],
+    order: Sequence[int],
+    claim: Callable[[int], range],
     arr: np.ndarray,
-    progress: Optional[Progress] = None,
-    done_before: int = 0,
-    total: int = 0,
+    progress: Optional[Callable[[int], None]] = None,
     device: str = "cuda",
 ) -> list[tuple[int, str]]:
-    """Decode JPEGs into rows `indices` of `arr` (N, C, H, W); returns the (index, path) pairs left for PIL.
+    """Decode the JPEGs at the positions `claim(BATCH)` hands out (rows `order[pos]` of `arr`, (N, C, H, W)) until it
+    hands out none; returns the (index, path) pairs left for PIL. `progress(n)` after each batch.
 
     `device`: "cuda" in use; "cpu" runs the same code with torchvision's CPU decoder (the tests do).
     """
     import torch
-    import torch.nn.functional as F
     from torchvision.io import ImageReadMode, decode_jpeg
 
     _, c, h, w = arr.shape
     mode = ImageReadMode.GRAY if c == 1 else ImageReadMode.RGB
     left: list[tuple[int, str]] = []
-    done = done_before
 
     def read(p: str) -> Optional[torch.Tensor]:
         try:
@@ -61,17 +77,28 @@ def decode_gpu(
         except OSError:
             return None
 
-    batches = [(list(indices[i : i + BATCH]), list(paths[i : i + BATCH])) for i in range(0, len(paths), BATCH)]
-    with ThreadPoolExecutor(max_workers=8) as pool:
+    with ThreadPoolExecutor(max_workers=READERS) as pool, ThreadPoolExecutor(max_workers=1) as writer:
 
-        def submit(k: int) -> list:
-            return [pool.submit(read, p) for p in batches[k][1]]
+        def submit() -> Optional[tuple[list[int], list[str], list[Future]]]:
+            got = claim(BATCH)
+            if not got:
+                return None
+            idx = [order[p] for p in got]
+            ps = [paths[i] for i in idx]
+            return idx, ps, [pool.submit(read, p) for p in ps]
 
-        ahead = deque(submit(k) for k in range(min(AHEAD, len(batches))))  # bounded: files are read a few batches ahead
-        for k, (idx, ps) in enumerate(batches):
-            futures = ahead.popleft()
-            if k + AHEAD < len(batches):
-                ahead.append(submit(k + AHEAD))
+        ahead: deque = deque()
+        for _ in range(AHEAD):
+            nxt = submit()
+            if nxt is None:
+                break
+            ahead.append(nxt)
+        writes: deque = deque()
+        while ahead:
+            idx, ps, futures = ahead.popleft()
+            nxt = submit()
+            if nxt is not None:
+                ahead.append(nxt)
             datas = [f.result() for f in futures]
             ok = [(i, p, d) for i, p, d in zip(idx, ps, datas) if d is not None and d.numel() > 0]
             left += [(i, p) for i, p, d in zip(idx, ps, datas) if d is None or d.numel() == 0]
@@ -85,28 +112,114 @@ def decode_gpu(
                         pairs.append((item, decode_jpeg(item[2], mode=mode, device=device)))
                     except Exception:
                         left.append((item[0], item[1]))
-            out = torch.empty((len(pairs), c, h, w), dtype=torch.uint8, device=device)
-            for j, (_, img) in enumerate(pairs):
-                out[j] = _fit(img, h, w, F)
-            rows = np.asarray([item[0] for item, _ in pairs], dtype=np.int64)
-            if len(rows):
-                arr[rows] = out.cpu().numpy()
-            done += len(ok)
+            if pairs:
+                rows = np.asarray([item[0] for item, _ in pairs], dtype=np.int64)
+                out = _fit_all([img for _, img in pairs], h, w).cpu()
+                while len(writes) > 1:  # at most one write behind: bounded memory
+                    writes.popleft().result()
+                writes.append(writer.submit(_store, arr, rows, out.numpy()))
             if progress is not None:
-                progress(done, total or len(paths))
+                progress(len(idx))
+        for f in writes:
+            f.result()
     if device == "cuda":
         torch.cuda.empty_cache()  # give the decode buffers back: the resident rule reads the free memory
     return left
 
 
-def _fit(img, h: int, w: int, F):  # type: ignore[no-untyped-def]
-    """Centre-crop to the target's aspect ratio, then resize to (h, w) with antialiasing."""
-    _, h0, w0 = img.shape
+def _store(arr: np.ndarray, rows: np.ndarray, block: np.ndarray) -> None:
+    """Rows into the map's file: one `pwrite` when they are consecutive (the usual case; a system call rather
+    than a page fault per 4 KiB of a fresh file), else a scatter through the map."""
+    consecutive = rows[-1] - rows[0] + 1 == len(rows) and (np.diff(rows) == 1).all()
+    filename = getattr(arr, "filename", None)
+    if consecutive and filename and hasattr(os, "pwrite"):
+        fd = os.open(filename, os.O_WRONLY)
+        try:
+            data, offset = memoryview(np.ascontiguousarray(block)).cast("B"), int(rows[0]) * block[0].nbytes
+            while len(data):
+                n = os.pwrite(fd, data, offset)
+                data, offset = data[n:], offset + n
+        finally:
+            os.close(fd)
+    elif consecutive:
+        arr[int(rows[0]) : int(rows[-1]) + 1] = block
+    else:
+        arr[rows] = block
+
+
+def _fit_all(images: list[Any], h: int, w: int) -> Any:
+    """(n, C, h, w) uint8 on the images' device: same-sized images cropped and resized in one call."""
+    import torch
+
+    out = torch.empty((len(images), images[0].shape[0], h, w), dtype=torch.uint8, device=images[0].device)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for j, img in enumerate(images):
+        groups.setdefault(tuple(img.shape), []).append(j)
+    for shape, js in groups.items():
+        stack = torch.stack([images[j] for j in js]) if len(js) > 1 else images[js[0]][None]
+        out[torch.tensor(js, device=out.device) if len(js) < len(images) else slice(None)] = _fit(stack, h, w)
+    return out
+
+
+def _fit(img: Any, h: int, w: int) -> Any:
+    """(n, C, h0, w0) -> (n, C, h, w): centre-crop to the target's aspect ratio, then resize with antialiasing."""
+    import torch.nn.functional as F
+
+    h0, w0 = img.shape[-2:]
     s = max(w / w0, h / h0)
     ch, cw = min(h0, round(h / s)), min(w0, round(w / s))
     top, left = (h0 - ch) // 2, (w0 - cw) // 2
-    crop = img[:, top : top + ch, left : left + cw]
+    crop = img[..., top : top + ch, left : left + cw]
     if (ch, cw) == (h, w):  # already the cache's size (a folder written at that size): no resampling
         return crop
-    crop = F.interpolate(crop.unsqueeze(0).float(), size=(h, w), mode="bilinear", antialias=True, align_corners=False)
-    return crop.round_().clamp_(0, 255).to(img.dtype)[0]
+    crop = F.interpolate(crop.float(), size=(h, w), mode="bilinear", antialias=True, align_corners=False)
+    return crop.round_().clamp_(0, 255).to(img.dtype)
+
+
+class Thread:
+    """The GPU decoder on a thread: warms up, then takes batches from the back of the claims.
+
+    `init_s` (warm-up seconds), `decoded` (images it decoded), `left` (refused, for PIL) and `error`
+    (why it could not run: the caller says so on screen and in the run's tags) are read after `join()`.
+    """
+
+    def __init__(self, paths: Sequence[str], order: Sequence[int], claim: Callable[[int], range], arr: np.ndarray, device: str = "cuda") -> None:
+        import threading
+
+        self.claimed: list[int] = []  # positions taken: if decoding fails midway, all of them go back to PIL
+
+        def take(k: int) -> range:
+            got = claim(k)
+            self.claimed += got
+            return got
+
+        self.args = (paths, order, take, arr)
+        self.device = device
+        self.init_s = 0.0
+        self.decoded = 0
+        self.left: list[tuple[int, str]] = []
+        self.error: Optional[str] = None
+        self.thread = threading.Thread(target=self._run, name="mpsrun-nvjpeg", daemon=True)
+        self.thread.start()
+
+    def _count(self, n: int) -> None:
+        self.decoded += n
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            warm(self.device, self.args[3].shape[1])
+        except Exception as e:  # no usable nvJPEG: PIL takes every file; said by the caller
+            self.error = f"{type(e).__name__}: {str(e)[:160]}"
+            return
+        finally:
+            self.init_s = time.perf_counter() - t0
+        try:
+            self.left = decode_gpu(*self.args, progress=self._count, device=self.device)
+        except Exception as e:  # midway: PIL decodes every file this thread took (rows written twice are the same file)
+            self.error = f"{type(e).__name__}: {str(e)[:160]}"
+            paths, order = self.args[0], self.args[1]
+            self.left = [(order[p], paths[order[p]]) for p in self.claimed]
+
+    def join(self) -> None:
+        self.thread.join()
