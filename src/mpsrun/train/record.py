@@ -62,7 +62,7 @@ class Recorder:
             try:
                 answer()
             except Exception as e:  # noqa: BLE001
-                self.notes.append(f"figures: {what} failed ({type(e).__name__}: {e})")
+                self.notes.append(f"{'records' if what == 'dataset inputs' else 'figures'}: {what} failed ({type(e).__name__}: {e})")
 
 
 def default_run_name(setup: "Setup") -> str:
@@ -153,16 +153,28 @@ def begin(tracker: "Tracker", setup: "Setup", system_metrics: bool = True) -> Re
     ref = _plugin("dataset", r.dataset.name)
     tags = {"mpsrun.plugin": f"{ref.distribution} {ref.version} ({ref.value})" if ref else r.dataset.name,
             "mpsrun.arguments": json.dumps(r.dataset.kwargs, default=str)}
-    out = hook(tracker, "begin", str(setup.resolved.path), r.dataset.name, splits, _source_path(setup), tags,
-               system_metrics, setup.choice.device.type)
-    rec.notes += out["notes"]
+    args = (str(setup.resolved.path), r.dataset.name, splits, _source_path(setup), tags, system_metrics, setup.choice.device.type)
+    if getattr(tracker, "keep_open", False) is True and hasattr(type(tracker), "hook_later"):
+        # A sweep's trial (one helper for run after run): the dataset inputs are written while the trial trains
+        # (MLflow's digest of 60,000 images is a quarter of a second in the helper); the answer is read before
+        # the run ends, and the helper writes in order, so every record is in before the run's status.
+        answer = tracker.hook_later("begin", *args)
+
+        def begun() -> None:
+            out = answer()
+            rec.notes += out["notes"]
+            rec.timings.update(out["timings"])
+        rec.pending.append(("dataset inputs", begun))
+    else:
+        out = hook(tracker, "begin", *args)
+        rec.notes += out["notes"]
+        rec.timings.update(out["timings"])
     for context in skipped:
         if ":sample:" in context:
             name, _, keep, total = context.split(":")
             rec.notes.append(f"datasets: the {name} split's MLflow dataset input describes its first {int(keep):,} of {int(total):,} rows (digest, schema, profile)")
         else:
             rec.notes.append(f"datasets: the {context} split is not a TensorDataset; not logged as an MLflow dataset input")
-    rec.timings.update(out["timings"])
     rec.system = system_metrics
     return rec
 
