@@ -102,8 +102,13 @@ class Outcome:
     message: str = ""
 
 
-def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any], None] | None = None) -> Outcome:
-    """Worker 0 here, workers 1..N-1 as processes; signals stop them all cleanly; results on the parent."""
+def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any], None] | None = None,
+        generation: int | None = 0) -> Outcome:
+    """Worker 0 here, workers 1..N-1 as processes; signals stop them all cleanly; results on the parent.
+
+    `generation`: this command's owner claim on the parent (parent.open_parent); None for a guest, which
+    publishes the results and closes the parent only if it can claim it when its workers are done.
+    """
     from mpsrun.exitcodes import EXIT_FAIL, EXIT_INPUT, EXIT_OK
     from mpsrun.sweep import parent, results
     from mpsrun.sweep import trial as trial_mod
@@ -153,7 +158,20 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
         reader.join(timeout=10)  # every worker has ended: its pipe is closed, its last lines read
     if code == EXIT_OK and EXIT_INPUT in codes:
         code, message = EXIT_INPUT, "a worker stopped on bad input (its message is above)"
-    summary, notes = results.publish(p.resolved, study, parent_run_id, p.tracking_uri, p.target)
+    notes: list[str] = []
+    if generation is None:  # a guest: the last command out publishes (the owner has let go, or is gone)
+        got = parent.claim(p.tracking_uri, parent_run_id)
+        if got["ok"]:
+            parent.take(p.tracking_uri, parent_run_id, got)
+            generation = int(got["generation"])
+            notes.append(got["took_over"] or f"the parent run's owner has ended: this command published the results and closed it")
+        else:
+            notes.append(f"the results are the owner's to publish when it ends: {got['message']}")
+    if generation is not None:
+        summary, more = results.publish(p.resolved, study, parent_run_id, p.tracking_uri, p.target)
+        notes += more
+    else:
+        summary = results.summarise(p.resolved, study)
     if code == EXIT_OK:
         interrupted = [c for c in codes if c in (130, 143)]
         if interrupted:
@@ -163,7 +181,8 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
             message = "no trial completed"
     elif code == EXIT_INPUT:
         status = "FAILED"
-    parent.close(p.tracking_uri, parent_run_id, status)
+    if generation is not None:
+        parent.close(p.tracking_uri, parent_run_id, status, generation)
     return Outcome(code, parent_run_id, summary, notes, message)
 
 
