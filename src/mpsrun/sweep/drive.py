@@ -9,6 +9,7 @@ what the sampler can search, and a metric name no run logs. What only the data c
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -120,13 +121,15 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
     procs: list[subprocess.Popen] = []
     code, message = EXIT_OK, ""
     status = "FINISHED"
-    lock = threading.Lock()  # one trial's line at a time, whichever worker ran it
+    # Trial ends, from worker 0 here and the others through their pipes, are shown by one thread: worker 0 goes on
+    # to its next trial at once instead of reading the study and tagging the parent's progress first.
+    ends: queue.Queue = queue.Queue()
 
     def ended(end: TrialEnd, s: Any) -> None:
-        if on_end is not None:
-            with lock:
-                on_end(end, s)
+        ends.put(end)
 
+    shower = threading.Thread(target=_show, args=(ends, study, on_end), name="mpsrun-sweep-show", daemon=True)
+    shower.start()
     reader: threading.Thread | None = None
     try:
         with interrupt.stop_on_signals():
@@ -156,6 +159,8 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
         codes = []
     if reader is not None:
         reader.join(timeout=10)  # every worker has ended: its pipe is closed, its last lines read
+    ends.put(None)
+    shower.join(timeout=60)  # every trial's line shown before the summary
     if code == EXIT_OK and EXIT_INPUT in codes:
         code, message = EXIT_INPUT, "a worker stopped on bad input (its message is above)"
     notes: list[str] = []
@@ -164,7 +169,7 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
         if got["ok"]:
             parent.take(p.tracking_uri, parent_run_id, got)
             generation = int(got["generation"])
-            notes.append(got["took_over"] or f"the parent run's owner has ended: this command published the results and closed it")
+            notes.append(got["took_over"] or "the parent run's owner has ended: this command published the results and closed it")
         else:
             notes.append(f"the results are the owner's to publish when it ends: {got['message']}")
     if generation is not None:
@@ -184,6 +189,19 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
     if generation is not None:
         parent.close(p.tracking_uri, parent_run_id, status, generation)
     return Outcome(code, parent_run_id, summary, notes, message)
+
+
+def _show(ends: "queue.Queue[TrialEnd | None]", study: Any, on_end: Callable[[TrialEnd, Any], None] | None) -> None:
+    """Show each trial's end (the caller's `on_end`) in the order they come, until None."""
+    while True:
+        end = ends.get()
+        if end is None:
+            return
+        if on_end is not None:
+            try:
+                on_end(end, study)
+            except Exception:  # noqa: BLE001 - a line not shown must not hide the others
+                pass
 
 
 def _all_ready(arrived: threading.Semaphore, n: int, timeout_s: float = 300.0) -> None:

@@ -34,9 +34,10 @@ PROGRESS = "mpsrun.sweep.progress"  # "done/target", refreshed after each trial
 class RunMarker:
     """Tags on finished child runs (state, counted) and the end of runs whose worker died, through one client."""
 
-    def __init__(self, tracking_uri: str | None) -> None:
+    def __init__(self, tracking_uri: str | None, tracker: Any = None) -> None:
         self.uri, _ = store.resolve_uri(tracking_uri)
         self._c: Any = None
+        self.tracker = tracker  # a worker's MLflow helper: trial states are handed to it without waiting (no mlflow import here)
 
     @property
     def c(self) -> Any:
@@ -45,6 +46,15 @@ class RunMarker:
         return self._c
 
     def state(self, run_id: str, state: str, counted: bool = True, why: str = "") -> None:
+        if self.tracker is not None:
+            from mpsrun.train.record import hook_later
+
+            tags = {STATE_TAG: state, **({"mpsrun.sweep.counted": "false"} if not counted else {}), **({"mpsrun.sweep.why": why} if why else {})}
+            try:
+                hook_later(self.tracker, "tag_run", run_id, tags)  # written after the run's own records, in order
+                return
+            except Exception:  # noqa: BLE001 - the helper is gone: through a client of this process
+                pass
         try:
             self.c.set_tag(run_id, STATE_TAG, state)
             if not counted:

@@ -81,7 +81,7 @@ def device_for(resolved: Resolved, index: int, workers: int) -> dict[str, Any]:
 
 
 def trial_defaults(resolved: Resolved) -> dict[str, Any]:
-    """What a trial skips unless the recipe asks for it: the logged model, its figures, epoch checkpoints.
+    """What a trial skips unless the recipe asks for it: the logged model, its figures, system metrics, epoch checkpoints.
 
     Seconds a trial on a small model (mlflow.pytorch's export alone is ~3 s on 2 cores), and
     nothing the search needs: `mpsrun run best_recipe.yaml` trains (and logs) the best one.
@@ -94,6 +94,8 @@ def trial_defaults(resolved: Resolved) -> dict[str, Any]:
         out["tracking.log_model"] = False
     if "figures" not in tracking:  # the parent draws the sweep's figures
         out["tracking.figures"] = False
+    if "system_metrics" not in tracking:  # a monitor thread (and NVML) per trial of a second or two: one sample, if any
+        out["tracking.system_metrics"] = False
     if "checkpoint" not in data:
         out["checkpoint.every"] = 0
     return out
@@ -155,7 +157,7 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
     canary.REUSE_OPS = True  # the fixed operations checked once per device in this worker; each trial's model still is
     share_cores(job.workers)
     placement = {**trial_defaults(resolved), **device_for(resolved, index, job.workers)}
-    marker = parent.RunMarker(job.tracking_uri)
+    marker = parent.RunMarker(job.tracking_uri, tracker)
     study = load_study(job, resolved, index, marker.lost)
     cache = trial_mod.DataCache()
     try:

@@ -144,3 +144,13 @@ def _source(t: Any, model_id: str | None, notes: list[str]) -> None:
         standard.model_source(t.c, t.run_id, model_id)
     except Exception as e:  # noqa: BLE001 - the model is logged; its "Logged from" is wrong, said and tagged
         notes.append(f"model: source tags not set ({type(e).__name__}: {e})")
+
+
+def tag_run(t: Any, run_id: str, tags: dict[str, str]) -> None:
+    """Tags on a run other than the one `t` writes (a sweep's finished trial: its state), in the helper; never raises:
+    it is posted without waiting, and a failure would otherwise surface on the next trial's first call."""
+    for k, v in tags.items():
+        try:
+            t.c.set_tag(run_id, k, v)
+        except Exception:  # noqa: BLE001 - a tag is not worth a trial; the study holds the truth
+            return
