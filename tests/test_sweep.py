@@ -72,6 +72,8 @@ def test_trials_are_child_runs_the_parent_holds_the_best_and_best_recipe_reprodu
     assert sorted(int(k.data.tags["mpsrun.sweep.trial"]) for k in kids) == [0, 1, 2]
     assert {k.data.tags["mpsrun.sweep.state"] for k in kids} == {"COMPLETE"}
     assert all(k.info.status == "FINISHED" and "val_loss" in k.data.metrics and "optimizer.lr" in k.data.params for k in kids)
+    # every trial has its dataset inputs, the later ones from the data the worker's helper kept (record._splits_key)
+    assert all({i.tags[0].value for i in k.inputs.dataset_inputs} == {"training", "validation"} for k in kids), [k.inputs for k in kids]
     best = min(kids, key=lambda k: k.data.metrics["val_loss"])
     assert parent.data.metrics["best_value"] == best.data.metrics["val_loss"]
     assert parent.data.params["best.optimizer.lr"] == best.data.params["optimizer.lr"]
