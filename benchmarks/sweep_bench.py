@@ -97,23 +97,32 @@ def timed(args: list[str], cwd: Path, trace: str | None = None) -> float:
     return wall
 
 
-PHASES = ("ask", "data", "prepare", "open", "train", "close", "tell", "release", "report", "wait", "total")
+PHASES = ("ask", "data", "prepare", "open", "train", "close", "tell", "release", "report", "wait", "canary", "total")
 
 
 def breakdown(label: str, text: str) -> list[str]:
     """Markdown rows from a traced sweep's `sweep-trace` lines: mean seconds per trial and phase, and each worker's start."""
     per: list[dict[str, float]] = []
+    later: list[dict[str, float]] = []  # each worker's first trial left out (torch._dynamo's import, the helper's start)
     starts: list[str] = []
+    seen: set[str] = set()
     for line in text.splitlines():
         fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
         if line.startswith("sweep-trace "):
             per.append({k: float(v) for k, v in fields.items() if k in PHASES})
+            if fields.get("worker") in seen:
+                later.append(per[-1])
+            seen.add(fields.get("worker", ""))
         elif line.startswith("sweep-trace-total "):
             starts.append(f"w{fields.get('worker')}: {fields.get('trials')} trials, ready after {float(fields.get('ready', 0)):.1f} s")
     if not per:
         return [f"| {label} | no trace lines (MPSRUN_SWEEP_TRACE) |" + " |" * len(PHASES)]
-    mean = {k: sum(d.get(k, 0.0) for d in per) / len(per) for k in PHASES}
-    return [f"| {label} ({len(per)} trials; {'; '.join(starts)}) | " + " | ".join(f"{mean[k]:.3f}" for k in PHASES) + " |"]
+    rows = []
+    for what, group in ((f"{label} ({len(per)} trials; {'; '.join(starts)})", per), (f"{label}, each worker's first trial left out", later)):
+        if group:
+            mean = {k: sum(d.get(k, 0.0) for d in group) / len(group) for k in PHASES}
+            rows.append(f"| {what} | " + " | ".join(f"{mean[k]:.3f}" for k in PHASES) + " |")
+    return rows
 
 
 def folder(base: Path, name: str, text: str) -> tuple[Path, Path]:
@@ -190,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     for what, wall, ratio in rows:
         print(f"| {what} | {wall:.1f} | {ratio} |")
     if TRACES:
-        print("\nPer trial, mean seconds per phase (MPSRUN_SWEEP_TRACE; `wait`: the part spent waiting for the MLflow helper; "
+        print("\nPer trial, mean seconds per phase (MPSRUN_SWEEP_TRACE; `wait`: the part spent waiting for the MLflow helper, `canary`: the part of `open` the device canary took; "
               "with several workers a phase includes time sliced away to the others):\n")
         print("| sweep | " + " | ".join(PHASES) + " |")
         print("| --- | " + " | ".join("---:" for _ in PHASES) + " |")

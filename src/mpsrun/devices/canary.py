@@ -59,6 +59,7 @@ CPU_SELF_CHECK = False
 # once and reused by later runs in the same process; the model forward, which differs per run, still runs each time.
 REUSE_OPS = False
 _OPS_DONE: dict[tuple[str, str], list["OpResult"]] = {}
+LAST_S = 0.0  # the last guard's wall time in this process, warm-up included (a sweep's trace reads it)
 
 PROBE_SIZE = 8  # samples in the model-forward probe batch: enough to exercise the forward, cheap for big CPU models
 BUDGET_S = 1.0  # the check is meant to take less than this; slower is recorded
@@ -436,8 +437,11 @@ def guard(setup: Any, set_tags: Callable[[dict[str, str]], None], note: Callable
             x = x.contiguous(memory_format=torch.channels_last)
         return x
 
+    global LAST_S
+    t0 = time.perf_counter()
     probe = probe_batch(setup.splits.val) if applies(device) and recipe.canary != "off" else None
     report = run(device, recipe.canary, model, probe, prepare)
+    LAST_S = time.perf_counter() - t0
     set_tags(report.tags())
     for r in report.unsupported:
         note(f"canary: {r.name} is unsupported on {device} ({r.detail}); not checked")

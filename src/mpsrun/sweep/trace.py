@@ -11,8 +11,9 @@ worker's dataset cache), `prepare` (device, model, optimizer, batch plan), `open
 started, its params, tags and dataset inputs handed over, the device canary), `train` (the
 epochs, from the first step to the last epoch's end), `close` (summary, records, the run
 finished in MLflow), `tell` (the study told, the run's state tag), `release` (device memory
-given back), `report` (the progress line and the parent's progress tag). `wait` is the part of
-all of them spent waiting for the MLflow helper's answers.
+given back), `report` (handing the trial's end to the line on screen). `wait` is the part of
+all of them spent waiting for the MLflow helper's answers; `canary` the part of `open` the device
+canary took.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class Phases:
         self.s[name] = self.s.get(name, 0.0) + seconds
 
     def line(self, worker: int, number: int) -> str:
-        parts = " ".join(f"{k}={self.s[k]:.3f}" for k in (*PHASES, "wait") if k in self.s)
+        parts = " ".join(f"{k}={self.s[k]:.3f}" for k in (*PHASES, "wait", "canary") if k in self.s)
         return f"sweep-trace worker={worker} trial={number} {parts} total={time.perf_counter() - self.start:.3f}"
 
 

@@ -125,12 +125,18 @@ def run(
 
             raise BadInput(f"sweep.metric: this run never logs '{metric}'{did_you_mean(metric, names)}; it logs {', '.join(names)}")
         setup.callbacks.append(report)
+        if phases is not None:
+            from mpsrun.devices import canary
+
+            canary.LAST_S = 0.0
         try:
             summary = runner.execute(setup, tracking_uri, listener, parent_run_id=parent_run_id, tags=tags, tracker=tracker)
         except runner.RunFailed as e:
             return Outcome("FAILED", report.last, e.run_id or report.run_id, str(e))
         finally:
             lap("close")
+            if phases is not None:
+                phases.add("canary", canary.LAST_S)  # part of `open`
         run_id = summary.run.run_id
         del summary
         failed = False
