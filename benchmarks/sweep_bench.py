@@ -13,6 +13,7 @@ warm-up run, so no timed command pays the store's creation. Prints a markdown ta
 
     python benchmarks/sweep_bench.py --device cpu
     python benchmarks/sweep_bench.py --device cuda
+    python benchmarks/sweep_bench.py --device cuda --trace   # and where each trial's time goes, phase by phase
 """
 
 from __future__ import annotations
@@ -78,14 +79,50 @@ sweep:
 """
 
 
-def timed(args: list[str], cwd: Path) -> float:
+TRACES: dict[str, str] = {}  # label -> the sweep's output, when --trace is given
+
+
+def timed(args: list[str], cwd: Path, trace: str | None = None) -> float:
+    """Wall time of one real command; `trace`: a label, the command run with MPSRUN_SWEEP_TRACE=1 and its output kept."""
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    if trace is not None:
+        env["MPSRUN_SWEEP_TRACE"] = "1"
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "mpsrun", *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         sys.exit(f"`mpsrun {' '.join(args)}` exited {p.returncode}:\n{p.stdout[-4000:]}")
+    if trace is not None:
+        TRACES[trace] = p.stdout
     return wall
+
+
+PHASES = ("ask", "data", "prepare", "open", "train", "close", "tell", "release", "report", "wait", "canary", "total")
+
+
+def breakdown(label: str, text: str) -> list[str]:
+    """Markdown rows from a traced sweep's `sweep-trace` lines: mean seconds per trial and phase, and each worker's start."""
+    per: list[dict[str, float]] = []
+    later: list[dict[str, float]] = []  # each worker's first trial left out (torch._dynamo's import, the helper's start)
+    starts: list[str] = []
+    seen: set[str] = set()
+    for line in text.splitlines():
+        fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
+        if line.startswith("sweep-trace "):
+            per.append({k: float(v) for k, v in fields.items() if k in PHASES})
+            if fields.get("worker") in seen:
+                later.append(per[-1])
+            seen.add(fields.get("worker", ""))
+        elif line.startswith("sweep-trace-total "):
+            starts.append(f"w{fields.get('worker')}: {fields.get('trials')} trials, ready after {float(fields.get('ready', 0)):.1f} s")
+    if not per:
+        return [f"| {label} | no trace lines (MPSRUN_SWEEP_TRACE) |" + " |" * len(PHASES)]
+    rows = []
+    for what, group in ((f"{label} ({len(per)} trials; {'; '.join(starts)})", per), (f"{label}, each worker's first trial left out", later)):
+        if group:
+            mean = {k: sum(d.get(k, 0.0) for d in group) / len(group) for k in PHASES}
+            rows.append(f"| {what} | " + " | ".join(f"{mean[k]:.3f}" for k in PHASES) + " |")
+    return rows
 
 
 def folder(base: Path, name: str, text: str) -> tuple[Path, Path]:
@@ -96,7 +133,7 @@ def folder(base: Path, name: str, text: str) -> tuple[Path, Path]:
     return d, recipe
 
 
-def cpu(base: Path, trials: int, repeats: int) -> list[tuple[str, float, str]]:
+def cpu(base: Path, trials: int, repeats: int, trace: bool = False) -> list[tuple[str, float, str]]:
     """Interleaved (run, sweep) pairs, each sweep a new study (--study), medians reported: a shared machine's load drifts."""
     import statistics
 
@@ -105,7 +142,7 @@ def cpu(base: Path, trials: int, repeats: int) -> list[tuple[str, float, str]]:
     ones, sweeps = [], []
     for i in range(repeats):
         ones.append(timed(["run", str(recipe), "-q"], d))
-        sweeps.append(timed(["sweep", str(recipe), "--study", f"bench{i}", "-q"], d))
+        sweeps.append(timed(["sweep", str(recipe), "--study", f"bench{i}", "-q"], d, f"cpu, 1 worker, pair {i + 1}" if trace else None))
     one, sweep = statistics.median(ones), statistics.median(sweeps)
     ratios = sorted(s / o for s, o in zip(sweeps, ones))
     return [
@@ -116,7 +153,7 @@ def cpu(base: Path, trials: int, repeats: int) -> list[tuple[str, float, str]]:
     ]
 
 
-def cuda(base: Path, trials: int, workers: list[int]) -> list[tuple[str, float, str]]:
+def cuda(base: Path, trials: int, workers: list[int], trace: bool = False) -> list[tuple[str, float, str]]:
     from mpsrun.testing.idx import write_idx_dataset
 
     data = base / "data"
@@ -126,7 +163,7 @@ def cuda(base: Path, trials: int, workers: list[int]) -> list[tuple[str, float, 
     for n in workers:
         d, recipe = folder(base, f"fashion_w{n}", FASHION.format(root=data, trials=trials))
         timed(["run", str(recipe), "-q"], d)  # warm-up: the store, CUDA's first context, the page cache
-        wall = timed(["sweep", str(recipe), "--workers", str(n), "-q"], d)
+        wall = timed(["sweep", str(recipe), "--workers", str(n), "-q"], d, f"--workers {n}" if trace else None)
         first = first or wall
         rows.append((f"`mpsrun sweep`, {trials} trials, --workers {n}", wall, f"{wall / first:.2f}x" + (" (target <= 0.5x)" if n != workers[0] else "")))
     return rows
@@ -148,18 +185,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=None, help="default: 16 on cpu, 32 on cuda")
     ap.add_argument("--workers", default="1,4", help="cuda: worker counts to compare (the first is the baseline)")
     ap.add_argument("--repeats", type=int, default=3, help="cpu: interleaved (run, sweep) pairs; medians reported")
+    ap.add_argument("--trace", action="store_true", help="run the sweeps with MPSRUN_SWEEP_TRACE=1 and print each one's mean seconds per trial and phase")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="sweep-bench-") as tmp:
         base = Path(tmp)
         if a.device == "cpu":
-            rows = cpu(base, a.trials or 16, a.repeats)
+            rows = cpu(base, a.trials or 16, a.repeats, a.trace)
         else:
-            rows = cuda(base, a.trials or 32, [int(x) for x in a.workers.split(",")])
-    print(f"\nmachine: {machine(a.device)}\ncommand: python benchmarks/sweep_bench.py --device {a.device}\n")
+            rows = cuda(base, a.trials or 32, [int(x) for x in a.workers.split(",")], a.trace)
+    print(f"\nmachine: {machine(a.device)}\ncommand: python benchmarks/sweep_bench.py {' '.join(sys.argv[1:] if argv is None else argv)}\n")
     print("| what | wall (s) | vs baseline |")
     print("| --- | ---: | ---: |")
     for what, wall, ratio in rows:
         print(f"| {what} | {wall:.1f} | {ratio} |")
+    if TRACES:
+        print("\nPer trial, mean seconds per phase (MPSRUN_SWEEP_TRACE; `wait`: the part spent waiting for the MLflow helper, `canary`: the part of `open` the device canary took; "
+              "with several workers a phase includes time sliced away to the others):\n")
+        print("| sweep | " + " | ".join(PHASES) + " |")
+        print("| --- | " + " | ".join("---:" for _ in PHASES) + " |")
+        for label, text in TRACES.items():
+            for row in breakdown(label, text):
+                print(row)
     return 0
 
 

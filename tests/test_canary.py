@@ -169,3 +169,24 @@ def test_strict_math_turns_tf32_and_autotuning_off_then_restores(monkeypatch) ->
     with canary.strict_math():
         assert not cudnn.benchmark and not cudnn.allow_tf32 and not matmul.allow_tf32
     assert cudnn.benchmark and cudnn.allow_tf32
+
+
+def test_a_sweep_worker_checks_the_fixed_operations_once_and_the_model_every_time(self_check, monkeypatch) -> None:
+    """REUSE_OPS (set by sweep workers): the second run reuses the operations' results without running them again,
+    still runs the model forward; an injected wrong result is never hidden by the reuse."""
+    import torch.nn as nn
+
+    monkeypatch.setattr(canary, "REUSE_OPS", True)
+    monkeypatch.setattr(canary, "_OPS_DONE", {})
+    model, probe, cpu = nn.Linear(4, 3), torch.randn(8, 4), torch.device("cpu")
+    first = canary.run(cpu, "on", model, probe)
+    calls: list[str] = []
+    real = canary.run_check
+    monkeypatch.setattr(canary, "run_check", lambda c, d: calls.append(c.name) or real(c, d))
+    second = canary.run(cpu, "on", model, probe)
+    assert second.status == first.status == "passed" and calls == []
+    assert [r.name for r in second.results] == [r.name for r in first.results] and second.results[-1].name == "model_forward"
+    name = next(iter(canary.CHECKS))
+    monkeypatch.setitem(canary.PERTURB, name, _wrong)
+    third = canary.run(cpu, "on", model, probe)
+    assert third.status == "failed" and name in calls and [r.name for r in third.failures] == [name]

@@ -158,3 +158,45 @@ def test_owner_verdicts() -> None:
     assert owner.verdict(far, {"mpsrun.heartbeat": f"{time.time() - 10:.3f}"}).state == "alive"
     assert owner.verdict(far, {"mpsrun.heartbeat": f"{time.time() - 1000:.3f}"}).gone
     assert owner.latest({"mpsrun.owner.0": mine.value(), "mpsrun.owner.10": far.value(), "mpsrun.owner.2": mine.value(), "x": "1"}).host == "elsewhere"
+
+
+def test_a_sweep_parent_has_one_owner_a_second_driver_joins_as_workers_and_the_last_out_publishes(work: Any) -> None:
+    """A sweep's parent is claimed like any run. While a live process holds it, `mpsrun resume PARENT` adds a
+    trial under it (workers may join a study) but neither re-marks the parent (status, pid) nor publishes on it;
+    once the holder is gone, the next command takes the parent over, publishes both trials and closes it."""
+    import socket
+    import sys
+
+    import psutil
+
+    from mpsrun.track.store import owner
+    from tests.test_sweep import children, recipe
+
+    path = recipe(work, "own.yaml", "sw_own", "optimizer.lr: {low: 0.01, high: 0.2}", trials=1)
+    assert work.cli("sweep", str(path), "-q").exit_code == 0
+    (parent,), _ = children(work, "sw_own")
+    rid, c = parent.info.run_id, work.client()
+    assert owner.latest(parent.data.params) is not None  # the sweep's own claim, released when it ended
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:  # another live driver on this host holds the parent (claim 1, as its `mpsrun sweep` would log it)
+        held = owner.Claim(1, socket.gethostname(), holder.pid, psutil.Process(holder.pid).create_time(), time.time(), "other")
+        c.log_param(rid, held.key, held.value())
+        c.update_run(rid, status="RUNNING")
+        pid_before = c.get_run(rid).data.tags["mpsrun.pid"]
+        r = work.cli("resume", rid, "sweep.trials=2")
+        assert r.exit_code == 0, r.output
+        assert f"owned by pid {holder.pid}" in r.output and "joining as extra workers" in r.output
+        run = c.get_run(rid)
+        assert run.info.status == "RUNNING" and run.data.tags["mpsrun.pid"] == pid_before  # left to its owner
+        assert run.data.metrics["trials_complete"] == 1  # not published by the guest
+        parents, kids = children(work, "sw_own")
+        assert len(parents) == 1 and len(kids) == 2 and {k.data.tags["mlflow.parentRunId"] for k in kids} == {rid}
+    finally:
+        holder.kill()
+        holder.wait()
+    r = work.cli("resume", rid, "sweep.trials=2")  # the holder is gone without letting go: taken over
+    assert r.exit_code == 0, r.output
+    assert "took over" in r.output, r.output
+    run = c.get_run(rid)
+    assert run.info.status == "FINISHED" and run.data.metrics["trials_complete"] == 2
+    assert owner.latest(run.data.params).generation == 2 and run.data.tags[owner.RELEASED] == "2"

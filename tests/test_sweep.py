@@ -72,6 +72,8 @@ def test_trials_are_child_runs_the_parent_holds_the_best_and_best_recipe_reprodu
     assert sorted(int(k.data.tags["mpsrun.sweep.trial"]) for k in kids) == [0, 1, 2]
     assert {k.data.tags["mpsrun.sweep.state"] for k in kids} == {"COMPLETE"}
     assert all(k.info.status == "FINISHED" and "val_loss" in k.data.metrics and "optimizer.lr" in k.data.params for k in kids)
+    # every trial has its dataset inputs, the later ones from the data the worker's helper kept (record._splits_key)
+    assert all({i.tags[0].value for i in k.inputs.dataset_inputs} == {"training", "validation"} for k in kids), [k.inputs for k in kids]
     best = min(kids, key=lambda k: k.data.metrics["val_loss"])
     assert parent.data.metrics["best_value"] == best.data.metrics["val_loss"]
     assert parent.data.params["best.optimizer.lr"] == best.data.params["optimizer.lr"]
@@ -195,13 +197,17 @@ def test_killed_worker_then_terminated_then_rerun_gives_exactly_trials_finished(
 
 
 def test_two_workers_on_a_new_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No store yet: two workers (this process and one more) create and share it; exactly `trials` trials, one parent."""
+    """No store yet: two workers (this process and one more) create and share it; exactly `trials` trials, one parent;
+    every trial's end, whichever worker ran it, shown once on this command's screen."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MPSRUN_SWEEP_TOGETHER", "1")  # both workers in from the first trial (else worker 0 may take them all)
     w = Workdir(tmp_path)
     path = recipe(w, "w.yaml", "sw6", "optimizer.lr: {low: 0.01, high: 0.2}", trials=6, epochs=2)
-    r = w.cli("sweep", str(path), "--workers", "2", "-q")
+    r = w.cli("sweep", str(path), "--workers", "2")
     assert r.exit_code == 0, r.output
+    shown = [line.split()[1] for line in r.output.splitlines() if line.startswith("trial ") and " COMPLETE " in line]
+    assert sorted(shown, key=int) == [str(n) for n in range(6)], r.output
     parents, kids = children(w, "sw6")
     assert len(parents) == 1 and len(kids) == 6
     assert len({k.data.tags["mpsrun.pid"] for k in kids}) == 2  # both workers trained
@@ -225,6 +231,7 @@ def test_postgresql_storage_with_two_workers(tmp_path: Path, monkeypatch: pytest
         w = Workdir(tmp_path / "work")
         (tmp_path / "work").mkdir()
         monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+        monkeypatch.setenv("MPSRUN_SWEEP_TOGETHER", "1")  # both workers in from the first trial
         monkeypatch.chdir(w.path)
         path = recipe(w, "pg.yaml", "sw7", "optimizer.lr: {low: 0.01, high: 0.2}", trials=4)
         r = w.cli("sweep", str(path), "--workers", "2", "--storage", pg.dsn(), "-q")

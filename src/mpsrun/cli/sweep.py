@@ -43,7 +43,8 @@ def run_plan(p, quiet: bool) -> None:  # type: ignore[no-untyped-def]
         study = drive.create_study(p)
     except Exception as e:  # noqa: BLE001 - a database that does not answer, a journal we cannot write
         raise bad_input(f"cannot open the Optuna storage {storage.shown(p.storage_url)}: {type(e).__name__}: {e}") from None
-    parent_id, new = parent.open_parent(p.resolved, study, p.storage_url, p.target, p.tracking_uri)
+    opened = parent.open_parent(p.resolved, study, p.storage_url, p.target, p.tracking_uri)
+    parent_id, new = opened.run_id, opened.new
     before = results.summarise(p.resolved, study)
     sw = p.resolved.recipe.sweep
     console.print(
@@ -52,6 +53,11 @@ def run_plan(p, quiet: bool) -> None:  # type: ignore[no-untyped-def]
         f"sampler={sw.sampler} pruner={sw.pruner} {sw.metric} ({sw.direction()})  workers={p.workers}  parent run {parent_id}",
         highlight=False, soft_wrap=True,
     )
+    if opened.generation is None:
+        console.print(f"[yellow]note:[/] joining as extra workers: {opened.message}; the owner publishes the results and closes the parent "
+                      "(or this command does, if it ends last)", highlight=False, soft_wrap=True)
+    elif opened.message:
+        console.print(f"[yellow]note:[/] {opened.message}", highlight=False, soft_wrap=True)
     for note in p.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
     start = time.monotonic()
@@ -70,7 +76,7 @@ def run_plan(p, quiet: bool) -> None:  # type: ignore[no-untyped-def]
             highlight=False, soft_wrap=True,
         )
 
-    out = drive.run(p, study, parent_id, on_end)
+    out = drive.run(p, study, parent_id, on_end, opened.generation)
     s = out.summary
     for note in out.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)

@@ -9,9 +9,11 @@ what the sampler can search, and a metric name no run logs. What only the data c
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -25,6 +27,11 @@ from mpsrun.sweep.worker import Job, TrialEnd
 # What an epoch can log whatever the task (train.assemble.ALWAYS, engine.EpochMetrics), kept here so that
 # bad input is answered without importing torch; tests/test_sweep_recipe.py keeps the two lists together.
 EPOCH_METRICS = ("train_loss", "val_loss", "lr", "epoch_time_s", "train_time_s", "val_time_s", "train_samples_per_s", "memory_bytes", "grad_norm")
+
+
+# Set (tests, benchmarks that want every worker in from the first trial): worker 0 waits for the others before its
+# first trial. Off by default: waiting for the slowest start leaves the device idle meanwhile.
+ENV_TOGETHER = "MPSRUN_SWEEP_TOGETHER"
 
 
 @dataclass
@@ -96,8 +103,13 @@ class Outcome:
     message: str = ""
 
 
-def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any], None] | None = None) -> Outcome:
-    """Worker 0 here, workers 1..N-1 as processes; signals stop them all cleanly; results on the parent."""
+def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any], None] | None = None,
+        generation: int | None = 0) -> Outcome:
+    """Worker 0 here, workers 1..N-1 as processes; signals stop them all cleanly; results on the parent.
+
+    `generation`: this command's owner claim on the parent (parent.open_parent); None for a guest, which
+    publishes the results and closes the parent only if it can claim it when its workers are done.
+    """
     from mpsrun.exitcodes import EXIT_FAIL, EXIT_INPUT, EXIT_OK
     from mpsrun.sweep import parent, results
     from mpsrun.sweep import trial as trial_mod
@@ -109,17 +121,32 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
     procs: list[subprocess.Popen] = []
     code, message = EXIT_OK, ""
     status = "FINISHED"
+    # Trial ends, from worker 0 here and the others through their pipes, are shown by one thread: worker 0 goes on
+    # to its next trial at once instead of reading the study and tagging the parent's progress first.
+    ends: queue.Queue = queue.Queue()
+
+    def ended(end: TrialEnd, s: Any) -> None:
+        ends.put(end)
+
+    shower = threading.Thread(target=_show, args=(ends, study, on_end), name="mpsrun-sweep-show", daemon=True)
+    shower.start()
+    reader: threading.Thread | None = None
     try:
         with interrupt.stop_on_signals():
-            waiting = []
+            pipes = []
             for i in range(1, p.workers):
                 r, w = os.pipe()
                 procs.append(subprocess.Popen([sys.executable, "-m", "mpsrun.sweep.worker", str(i), job.to_json(), str(w)],
                                               start_new_session=True, pass_fds=(w,)))
                 os.close(w)
-                waiting.append(r)
+                pipes.append(r)
+            arrived = threading.Semaphore(0)  # one release per extra worker ready (or ended first)
+            if pipes:  # the extra workers' trials, shown on this screen as they end
+                reader = threading.Thread(target=_relay, args=(pipes, study, ended, arrived), name="mpsrun-sweep-relay", daemon=True)
+                reader.start()
+            together = os.environ.get(ENV_TOGETHER, "") not in ("", "0")
             try:
-                worker.work(job, p.resolved, 0, on_end, ready=lambda: _all_ready(waiting))
+                worker.work(job, p.resolved, 0, ended, ready=(lambda: _all_ready(arrived, len(pipes))) if together else None)
             except trial_mod.BadInput as e:
                 code, message = EXIT_INPUT, str(e)
                 _signal(procs, signal.SIGTERM)
@@ -130,9 +157,26 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
         code, status = interrupt.exit_code(e), "KILLED"
         message = f"interrupted ({getattr(e, 'name', 'SIGINT')})"
         codes = []
+    if reader is not None:
+        reader.join(timeout=10)  # every worker has ended: its pipe is closed, its last lines read
+    ends.put(None)
+    shower.join(timeout=60)  # every trial's line shown before the summary
     if code == EXIT_OK and EXIT_INPUT in codes:
         code, message = EXIT_INPUT, "a worker stopped on bad input (its message is above)"
-    summary, notes = results.publish(p.resolved, study, parent_run_id, p.tracking_uri, p.target)
+    notes: list[str] = []
+    if generation is None:  # a guest: the last command out publishes (the owner has let go, or is gone)
+        got = parent.claim(p.tracking_uri, parent_run_id)
+        if got["ok"]:
+            parent.take(p.tracking_uri, parent_run_id, got)
+            generation = int(got["generation"])
+            notes.append(got["took_over"] or "the parent run's owner has ended: this command published the results and closed it")
+        else:
+            notes.append(f"the results are the owner's to publish when it ends: {got['message']}")
+    if generation is not None:
+        summary, more = results.publish(p.resolved, study, parent_run_id, p.tracking_uri, p.target)
+        notes += more
+    else:
+        summary = results.summarise(p.resolved, study)
     if code == EXIT_OK:
         interrupted = [c for c in codes if c in (130, 143)]
         if interrupted:
@@ -142,24 +186,64 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
             message = "no trial completed"
     elif code == EXIT_INPUT:
         status = "FAILED"
-    parent.close(p.tracking_uri, parent_run_id, status)
+    if generation is not None:
+        parent.close(p.tracking_uri, parent_run_id, status, generation)
     return Outcome(code, parent_run_id, summary, notes, message)
 
 
-def _all_ready(fds: list[int], timeout_s: float = 300.0) -> None:
-    """Wait until every extra worker has said it is ready (or has ended: its pipe closes), then trials begin."""
+def _show(ends: "queue.Queue[TrialEnd | None]", study: Any, on_end: Callable[[TrialEnd, Any], None] | None) -> None:
+    """Show each trial's end (the caller's `on_end`) in the order they come, until None."""
+    while True:
+        end = ends.get()
+        if end is None:
+            return
+        if on_end is not None:
+            try:
+                on_end(end, study)
+            except Exception:  # noqa: BLE001 - a line not shown must not hide the others
+                pass
+
+
+def _all_ready(arrived: threading.Semaphore, n: int, timeout_s: float = 300.0) -> None:
+    """MPSRUN_SWEEP_TOGETHER=1: worker 0 waits until every extra worker is ready (or has ended) before its first trial."""
+    deadline = time.monotonic() + timeout_s
+    for _ in range(n):
+        if not arrived.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return
+
+
+def _relay(fds: list[int], study: Any, on_end: Callable[[TrialEnd, Any], None], arrived: threading.Semaphore) -> None:
+    """Read the extra workers' lines (worker.report_to: ready, then each trial's end as JSON) until every pipe closes."""
     import select
 
-    deadline = time.monotonic() + timeout_s
-    open_fds = list(fds)
-    while open_fds and time.monotonic() < deadline:
-        readable, _, _ = select.select(open_fds, [], [], max(0.0, deadline - time.monotonic()))
+    from mpsrun.sweep.worker import READY, end_from_json
+
+    bufs = {fd: b"" for fd in fds}
+    said = set()
+    while bufs:
+        readable, _, _ = select.select(list(bufs), [], [], 1.0)
         for fd in readable:
-            os.read(fd, 64)  # "ready", or b"" when the worker ended first
-            os.close(fd)
-            open_fds.remove(fd)
-    for fd in open_fds:
-        os.close(fd)
+            chunk = os.read(fd, 65536)
+            if not chunk:  # the worker ended
+                os.close(fd)
+                del bufs[fd]
+                if fd not in said:
+                    arrived.release()
+                continue
+            *lines, bufs[fd] = (bufs[fd] + chunk).split(b"\n")
+            for line in lines:
+                if line == READY and fd not in said:
+                    said.add(fd)
+                    arrived.release()
+                    continue
+                try:
+                    end = end_from_json(line.decode())
+                except (ValueError, TypeError, KeyError):
+                    continue  # not a trial's end (a partial line from a worker that died mid-write)
+                try:
+                    on_end(end, study)
+                except Exception:  # noqa: BLE001 - a line not shown must not stop the relay of the others
+                    pass
 
 
 def _signal(procs: list[subprocess.Popen], sig: int) -> None:

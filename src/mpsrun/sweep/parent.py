@@ -3,17 +3,26 @@
 The parent's id is kept in the study itself (a study user attribute), so any worker, on
 any machine, that joins the study finds the same parent; the parent carries the study's
 name and storage as tags, and `mpsrun resume PARENT_ID` reads them back.
+
+One owner per parent, as for any run (track/store/owner.py): the command that opens the parent
+claims it (param `mpsrun.owner.N`), and only the owner writes the parent's status, liveness tags
+and results. A second `mpsrun sweep` (or `mpsrun resume PARENT_ID`) of the study while the owner
+lives is a guest: its workers join the study and their trials are child runs of the same parent,
+as the design wants, but it leaves the parent alone; when it ends it claims the parent once more,
+and if the owner has let go by then (the last command out) it publishes the results and closes it.
+An owner that is gone (kill -9, a lost machine) is taken over, said on screen and tagged.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from mpsrun.recipe.load import Resolved
 from mpsrun.sweep import storage
 from mpsrun.track.store import client as store
-from mpsrun.track.store import liveness
+from mpsrun.track.store import liveness, owner
 
 ROLE = "mpsrun.sweep"  # "parent" or "trial"
 STATE_TAG, TRIAL_TAG = "mpsrun.sweep.state", "mpsrun.sweep.trial"  # on each trial's run: COMPLETE/PRUNED/FAILED, its number
@@ -25,9 +34,10 @@ PROGRESS = "mpsrun.sweep.progress"  # "done/target", refreshed after each trial
 class RunMarker:
     """Tags on finished child runs (state, counted) and the end of runs whose worker died, through one client."""
 
-    def __init__(self, tracking_uri: str | None) -> None:
+    def __init__(self, tracking_uri: str | None, tracker: Any = None) -> None:
         self.uri, _ = store.resolve_uri(tracking_uri)
         self._c: Any = None
+        self.tracker = tracker  # a worker's MLflow helper: trial states are handed to it without waiting (no mlflow import here)
 
     @property
     def c(self) -> Any:
@@ -36,6 +46,15 @@ class RunMarker:
         return self._c
 
     def state(self, run_id: str, state: str, counted: bool = True, why: str = "") -> None:
+        if self.tracker is not None:
+            from mpsrun.train.record import hook_later
+
+            tags = {STATE_TAG: state, **({"mpsrun.sweep.counted": "false"} if not counted else {}), **({"mpsrun.sweep.why": why} if why else {})}
+            try:
+                hook_later(self.tracker, "tag_run", run_id, tags)  # written after the run's own records, in order
+                return
+            except Exception:  # noqa: BLE001 - the helper is gone: through a client of this process
+                pass
         try:
             self.c.set_tag(run_id, STATE_TAG, state)
             if not counted:
@@ -57,8 +76,42 @@ class RunMarker:
             pass
 
 
-def open_parent(resolved: Resolved, study: Any, storage_url: str, target: int, tracking_uri: str | None) -> tuple[str, bool]:
-    """(the study's parent run id, whether it is new): the one the study names when the store still has it."""
+@dataclass
+class Opened:
+    """The study's parent run as this command holds it."""
+
+    run_id: str
+    new: bool
+    generation: int | None  # this command's owner claim; None: a guest (another live command owns the parent)
+    message: str = ""  # who owns it (a guest), or the takeover of a gone owner
+
+
+def claim(tracking_uri: str | None, run_id: str) -> dict[str, Any]:
+    """Claim the parent for this process (owner.try_claim): {"ok", "generation", "took_over"} or {"ok": False, "message"}."""
+    uri, _ = store.resolve_uri(tracking_uri)
+    c = store.client(uri)
+    got = owner.try_claim(c, run_id, None, owner.me())
+    if not got["ok"]:  # said to a guest, which goes on: who holds the parent, not "stop that one first"
+        top = owner.latest(c.get_run(run_id).data.params)
+        if top is not None:
+            got["message"] = f"the sweep's parent run {run_id} is owned by {top.who()}"
+    return got
+
+
+def take(tracking_uri: str | None, run_id: str, got: dict[str, Any], target: int | None = None) -> None:
+    """This process owns the parent now: RUNNING, its liveness and owner tags."""
+    uri, _ = store.resolve_uri(tracking_uri)
+    c = store.client(uri)
+    c.update_run(run_id, status="RUNNING")
+    tags = {**liveness.identity(), **owner.tags_for(int(got["generation"]), got["owner"], got["took_over"])}
+    if target is not None:
+        tags[TARGET] = str(target)
+    for k, v in tags.items():
+        c.set_tag(run_id, k, v)
+
+
+def open_parent(resolved: Resolved, study: Any, storage_url: str, target: int, tracking_uri: str | None) -> Opened:
+    """The study's parent run (the one the study names when the store still has it, else a new one), claimed when free."""
     uri, artifact_root = store.resolve_uri(tracking_uri)
     c = store.client(uri)
     known = study.user_attrs.get(storage.PARENT)
@@ -69,10 +122,11 @@ def open_parent(resolved: Resolved, study: Any, storage_url: str, target: int, t
         except Exception:  # noqa: BLE001 - another store, or deleted: start a new parent
             run = None
         if run is not None:
-            c.update_run(known, status="RUNNING")
-            for k, v in {**ident, TARGET: str(target)}.items():
-                c.set_tag(known, k, v)
-            return known, False
+            got = claim(tracking_uri, known)
+            if not got["ok"]:  # a live owner: this command adds workers and leaves the parent to it
+                return Opened(known, False, None, got["message"])
+            take(tracking_uri, known, got, target)
+            return Opened(known, False, int(got["generation"]), got["took_over"] or "")
     experiment = resolved.recipe.tracking.experiment or resolved.path.stem
     exp_id = store.ensure_experiment(c, experiment, artifact_root)
     tags = {
@@ -82,8 +136,11 @@ def open_parent(resolved: Resolved, study: Any, storage_url: str, target: int, t
         "mpsrun.sweep.metric": resolved.recipe.sweep.metric if resolved.recipe.sweep else "",
         **ident, **resolved.recipe.tracking.tags,
     }
+    mine = owner.me(0)  # a new parent: claim 0 goes in with it
+    tags.update(owner.tags_for(0, mine.who(), None))
     run = c.create_run(exp_id, run_name=resolved.recipe.tracking.run_name or f"sweep {study.study_name}", tags=tags)
     run_id = run.info.run_id
+    c.log_param(run_id, mine.key, mine.value())
     study.set_user_attr(storage.PARENT, run_id)
     sweep = resolved.recipe.sweep
     assert sweep is not None
@@ -91,7 +148,7 @@ def open_parent(resolved: Resolved, study: Any, storage_url: str, target: int, t
     c.log_text(run_id, json.dumps({k: v.model_dump(mode="json", exclude_none=True) for k, v in sweep.params.items()}, indent=2), "search_space.json")
     for k, v in (("sweep.metric", sweep.metric), ("sweep.mode", sweep.direction()), ("sweep.sampler", sweep.sampler), ("sweep.pruner", sweep.pruner)):
         c.log_param(run_id, k, v)
-    return run_id, True
+    return Opened(run_id, True, 0)
 
 
 def progress(tracking_uri: str | None, run_id: str, done: int, target: int) -> None:
@@ -101,6 +158,10 @@ def progress(tracking_uri: str | None, run_id: str, done: int, target: int) -> N
         pass
 
 
-def close(tracking_uri: str | None, run_id: str, status: str) -> None:
+def close(tracking_uri: str | None, run_id: str, status: str, generation: int | None = None) -> None:
+    """The owner lets go (the tag first: the next owner waits for both), then the parent's status."""
     uri, _ = store.resolve_uri(tracking_uri)
-    store.client(uri).set_terminated(run_id, status)
+    c = store.client(uri)
+    if generation is not None:
+        c.set_tag(run_id, owner.RELEASED, str(generation))
+    c.set_terminated(run_id, status)

@@ -77,7 +77,7 @@ def open_storage(url: str, on_failed: Callable[[Any, Any], None] | None = None, 
     if url.startswith("journal:"):
         path = Path(url.removeprefix("journal:"))
         path.parent.mkdir(parents=True, exist_ok=True)
-        backend = optuna.storages.journal.JournalFileBackend(str(path), lock_obj=optuna.storages.journal.JournalFileOpenLock(str(path)))
+        backend = optuna.storages.journal.JournalFileBackend(str(path), lock_obj=_open_lock()(str(path)))
         return optuna.storages.JournalStorage(backend)
 
     def failed(study: Any, trial: Any) -> None:  # Optuna's heartbeat failed it: ours to retry and account for
@@ -93,6 +93,51 @@ def open_storage(url: str, on_failed: Callable[[Any, Any], None] | None = None, 
     return optuna.storages.RDBStorage(
         _sqlalchemy_url(url), heartbeat_interval=heartbeat_s, grace_period=grace_s, engine_kwargs={"pool_pre_ping": True}, **callback,
     )
+
+
+LOCK_POLL_S = 0.002  # the longest sleep between two tries for the journal's lock file
+
+
+def _open_lock() -> type:
+    """Optuna's JournalFileOpenLock (the same lock file, so any Optuna process on the journal is excluded alike),
+    polled every few milliseconds instead of with Optuna's backoff, which doubles each sleep up to one second.
+
+    Why: the lock is held for milliseconds, but a worker that found it taken a few times in a row then slept
+    0.25-1 s while it was free; N workers asking, reporting and telling on one journal queued behind those
+    sleeps, which is contention the GPU cannot hide. A lock left by a killed process is still broken after
+    Optuna's grace period (its file's mtime unchanged for 30 s).
+    """
+    import errno
+    import os
+    import time
+
+    from optuna.storages.journal import JournalFileOpenLock
+
+    class PolledOpenLock(JournalFileOpenLock):  # type: ignore[misc]
+        def acquire(self) -> bool:
+            mtime, since = None, time.monotonic()
+            while True:
+                try:
+                    os.close(os.open(self._lock_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                    return True
+                except OSError as err:
+                    if err.errno != errno.EEXIST:
+                        raise
+                try:
+                    now_mtime = os.stat(self._lock_file).st_mtime
+                except OSError:
+                    continue  # released meanwhile
+                if now_mtime != mtime:
+                    mtime, since = now_mtime, time.monotonic()
+                elif self.grace_period is not None and time.monotonic() - since > self.grace_period:
+                    try:
+                        self.release()  # its holder died holding it
+                    except RuntimeError:
+                        pass
+                    continue
+                time.sleep(LOCK_POLL_S)
+
+    return PolledOpenLock
 
 
 def lost_trials(study: Any) -> dict[int, str]:

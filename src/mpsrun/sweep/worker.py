@@ -23,6 +23,8 @@ from mpsrun.sweep import space, storage
 if TYPE_CHECKING:
     from mpsrun.sweep.trial import Outcome
 
+_T0 = time.perf_counter()
+
 
 @dataclass
 class Job:
@@ -79,7 +81,7 @@ def device_for(resolved: Resolved, index: int, workers: int) -> dict[str, Any]:
 
 
 def trial_defaults(resolved: Resolved) -> dict[str, Any]:
-    """What a trial skips unless the recipe asks for it: the logged model, its figures, epoch checkpoints.
+    """What a trial skips unless the recipe asks for it: the logged model, its figures, system metrics, epoch checkpoints.
 
     Seconds a trial on a small model (mlflow.pytorch's export alone is ~3 s on 2 cores), and
     nothing the search needs: `mpsrun run best_recipe.yaml` trains (and logs) the best one.
@@ -92,6 +94,8 @@ def trial_defaults(resolved: Resolved) -> dict[str, Any]:
         out["tracking.log_model"] = False
     if "figures" not in tracking:  # the parent draws the sweep's figures
         out["tracking.figures"] = False
+    if "system_metrics" not in tracking:  # a monitor thread (and NVML) per trial of a second or two: one sample, if any
+        out["tracking.system_metrics"] = False
     if "checkpoint" not in data:
         out["checkpoint.every"] = 0
     return out
@@ -121,9 +125,10 @@ def work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, A
          ready: Callable[[], None] | None = None) -> Tally:
     """Trials until the study holds `job.target` counted trials (or none is left to ask for).
 
-    `ready` is called once torch, the study and the first dataset are loaded, before the first trial:
-    `mpsrun sweep --workers N` starts asking once every worker is there, so N trials run at once
-    from the start (and worker 0 does not take the short sweep's trials alone while the others start).
+    `ready` is called once torch, the study and the first dataset are loaded, before the first trial.
+    Each worker starts asking as soon as it is ready, not once all are: on one GPU the workers gain
+    only by overlapping one's CPU work with another's epochs, and waiting for the slowest start
+    (torch, mlflow and the data in each) left the GPU idle meanwhile. `on_end` is called after each trial.
     """
     from mpsrun.track.helper import background
     from mpsrun.track.store import client as store
@@ -144,17 +149,15 @@ def work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, A
 
 
 def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, Any], None] | None, ready: Callable[[], None] | None, tracker: Any) -> Tally:
-    from optuna.trial import TrialState
-
+    from mpsrun.devices import canary
     from mpsrun.recipe.sweep import trial_recipe
-    from mpsrun.sweep import parent
+    from mpsrun.sweep import parent, trace
     from mpsrun.sweep import trial as trial_mod  # torch: imported here, once per worker
 
-    sweep = resolved.recipe.sweep
-    assert sweep is not None
+    canary.REUSE_OPS = True  # the fixed operations checked once per device in this worker; each trial's model still is
     share_cores(job.workers)
     placement = {**trial_defaults(resolved), **device_for(resolved, index, job.workers)}
-    marker = parent.RunMarker(job.tracking_uri)
+    marker = parent.RunMarker(job.tracking_uri, tracker)
     study = load_study(job, resolved, index, marker.lost)
     cache = trial_mod.DataCache()
     try:
@@ -163,8 +166,32 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
         pass
     if ready is not None:
         ready()
+    tracing = trace.enabled()
+    totals = trace.Totals(index) if tracing else None
+    ready_s = time.perf_counter() - _T0  # this module's import to the first ask: the worker's start
     tally = Tally()
+    try:
+        _loop(job, resolved, index, on_end, tracker, study, marker, cache, placement, tally, totals)
+    finally:
+        canary.REUSE_OPS = False
+        if totals is not None:
+            totals.emit(ready_s)
+    return tally
+
+
+def _loop(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, Any], None] | None, tracker: Any, study: Any,
+          marker: Any, cache: Any, placement: dict[str, Any], tally: Tally, totals: Any) -> None:
+    from optuna.trial import TrialState
+
+    from mpsrun.recipe.sweep import trial_recipe
+    from mpsrun.sweep import trace
+    from mpsrun.sweep import trial as trial_mod
+
+    sweep = resolved.recipe.sweep
+    assert sweep is not None
     while True:
+        phases = trace.Phases() if totals is not None else None
+        wait0 = getattr(tracker, "wait_s", 0.0)
         storage.reap(study, lambda t, why: _lost_run(t, f"its worker died ({why})", marker.lost))
         done, running = storage.budget(study, job.target)
         if done + running >= job.target:
@@ -177,6 +204,8 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
             study.tell(t, state=TrialState.FAIL)
             break
         beat = storage.heartbeat_thread(study, t._trial_id)  # noqa: SLF001
+        if phases is not None:
+            phases.lap("ask")
         start = time.perf_counter()
         values: dict[str, Any] = {}
         try:
@@ -184,7 +213,8 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
             trial_resolved = trial_recipe(resolved, {**values, **placement})
             tags = {trial_mod.TRIAL_TAG: str(t.number), "mpsrun.sweep.study": job.study, "mpsrun.sweep": "trial",
                     **{f"mpsrun.sweep.param.{k}": json.dumps(v) for k, v in values.items()}}
-            outcome = trial_mod.run(trial_resolved, t, sweep.metric, sweep.pruner, job.parent_run_id, job.tracking_uri, cache, tags, tracker=tracker)
+            outcome = trial_mod.run(trial_resolved, t, sweep.metric, sweep.pruner, job.parent_run_id, job.tracking_uri, cache, tags,
+                                    tracker=tracker, phases=phases)
         except KeyboardInterrupt as e:
             storage.mark_lost(study, t, f"interrupted ({getattr(e, 'name', 'SIGINT')})")
             _lost_run_after(t, marker, f"interrupted ({getattr(e, 'name', 'SIGINT')})")
@@ -201,11 +231,16 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
         _tell(study, t, outcome)
         if outcome.run_id:
             marker.state(outcome.run_id, outcome.state)
+        if phases is not None:
+            phases.lap("tell")
         end = TrialEnd(t.number, outcome, values, time.perf_counter() - start)
         tally.ran.append(end)
         if on_end is not None:
             on_end(end, study)
-    return tally
+        if phases is not None and totals is not None:
+            phases.lap("report")
+            phases.add("wait", getattr(tracker, "wait_s", 0.0) - wait0)
+            totals.add(phases, t.number)
 
 
 def _lost_run_after(t: Any, marker: Any, why: str) -> None:
@@ -229,6 +264,36 @@ def _tell(study: Any, t: Any, outcome: "Outcome") -> None:
         study.tell(t, state=TrialState.FAIL)
 
 
+def end_to_json(end: TrialEnd) -> str:
+    o = end.outcome
+    return json.dumps({"number": end.number, "state": o.state, "value": o.value, "run_id": o.run_id, "message": o.message[:1000],
+                       "values": end.values, "seconds": end.seconds}, default=str)
+
+
+def end_from_json(text: str) -> TrialEnd:
+    from mpsrun.sweep.trial import Outcome
+
+    d = json.loads(text)
+    return TrialEnd(int(d["number"]), Outcome(d["state"], d["value"], d["run_id"], d["message"]), d["values"], float(d["seconds"]))
+
+
+READY = b"ready"  # an extra worker's first line to the command that started it
+
+
+def _write(fd: int, data: bytes) -> None:
+    try:
+        os.write(fd, data)  # one write of less than PIPE_BUF bytes: never interleaved with another
+    except OSError:  # the command is gone (killed): the trial is in the study and MLflow regardless
+        pass
+
+
+def report_to(fd: int) -> Callable[[TrialEnd, Any], None]:
+    """An extra worker's `on_end`: each trial's end as a JSON line to the command that started it, which shows it."""
+    def on_end(end: TrialEnd, study: Any) -> None:
+        _write(fd, (end_to_json(end) + "\n").encode())
+    return on_end
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m mpsrun.sweep.worker INDEX JOB_JSON`: one extra worker of `mpsrun sweep --workers N`."""
     from mpsrun.exitcodes import EXIT_INPUT, EXIT_OK
@@ -238,17 +303,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else argv
     index, job = int(args[0]), Job.from_json(args[1])
-    ready_fd = int(args[2]) if len(args) > 2 else None
-
-    def ready() -> None:
-        if ready_fd is not None:
-            os.write(ready_fd, b"ready\n")
-            os.close(ready_fd)
-
+    report_fd = int(args[2]) if len(args) > 2 else None
     resolved = resolve(job.recipe, job.overrides)
     try:
         with interrupt.stop_on_signals():
-            work(job, resolved, index, ready=ready)
+            work(job, resolved, index, on_end=report_to(report_fd) if report_fd is not None else None,
+                 ready=(lambda: _write(report_fd, READY + b"\n")) if report_fd is not None else None)
     except KeyboardInterrupt as e:
         return interrupt.exit_code(e)
     except trial_mod.BadInput as e:

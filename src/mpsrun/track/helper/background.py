@@ -91,6 +91,7 @@ class BackgroundTracker:
         if self.mode == "process" and self.mode_reason == "auto" and may_run_on_mps(device):
             self.mode, self.mode_reason = "thread", "auto: on MPS the system metrics read torch.mps memory of the training process"
         self.setup_wait_s = 0.0  # time the caller waited for set-up at `start`
+        self.wait_s = 0.0  # time the caller waited for the helper's answers, all runs (a sweep's trace reads it)
         self._t0 = time.perf_counter()
         self._tracker: store.Tracker | None = None
         self._error: BaseException | None = None
@@ -137,10 +138,13 @@ class BackgroundTracker:
     def _call(self, method: str, *args: Any) -> Any:
         """One call: in the helper while it lives, else on the in-process Tracker that replaced it."""
         if self._remote is not None:
+            t = time.perf_counter()
             try:
                 return self._remote.call(method, *args)
             except _HelperGone as e:
                 self._take_over(e)
+            finally:
+                self.wait_s += time.perf_counter() - t
         return getattr(self._need(), method)(*args)
 
     def _post(self, method: str, *args: Any) -> None:
@@ -193,6 +197,7 @@ class BackgroundTracker:
             raise TrackingSetupError(f"MLflow set-up failed for {self.uri}: {e}") from None
         finally:
             self.setup_wait_s += time.perf_counter() - t
+            self.wait_s += time.perf_counter() - t
         self._run_id = info.run_id
         return info
 
@@ -235,11 +240,14 @@ class BackgroundTracker:
                 self._take_over(e)
             else:
                 def answer() -> Any:
+                    t = time.perf_counter()
                     try:
                         return p.result()
                     except _HelperGone as e:
                         self._take_over(e)
                         return self._need().hook(name, *args)
+                    finally:
+                        self.wait_s += time.perf_counter() - t
                 return answer
         value = self.hook(name, *args)
         return lambda: value

@@ -62,14 +62,26 @@ def warm(mark: Any = None) -> None:
         mark("warm: installed distributions mapped")
 
 
-def begin(t: Any, recipe_path: str | None, dataset_name: str, splits: list[track_datasets.Split], source_path: str | None,
-          input_tags: dict[str, str], system_metrics: bool, device_type: str) -> dict[str, Any]:
-    """Experiment kind, standard tags, dataset inputs, and the system-metrics monitor (kept on `t`)."""
+def begin(t: Any, recipe_path: str | None, dataset_name: str, splits: list[track_datasets.Split] | None, source_path: str | None,
+          input_tags: dict[str, str], system_metrics: bool, device_type: str, splits_key: str | None = None) -> dict[str, Any]:
+    """Experiment kind, standard tags, dataset inputs, and the system-metrics monitor (kept on `t`).
+
+    `splits_key` (a sweep worker's trials): the splits are kept on `t` under it, and a later trial with
+    the same key sends None instead of the same arrays again.
+    """
     notes: list[str] = []
     standard.mark_experiment(t.c, t.experiment_id)
     t.set_tags(standard.source_tags(recipe_path))
     t0 = time.perf_counter()
+    if splits_key is not None:
+        if splits is not None:
+            t._mpsrun_splits = (splits_key, splits)
+        else:
+            kept = getattr(t, "_mpsrun_splits", (None, None))
+            splits = kept[1] if kept[0] == splits_key else None
     try:
+        if splits is None:
+            raise RuntimeError("the worker's data was sent to an MLflow helper that has since been replaced")
         track_datasets.log_datasets(t.c, t.run_id, dataset_name, splits, source_path, input_tags)
     except Exception as e:  # the run goes on; the gap is said and tagged
         notes.append(f"datasets: not logged as MLflow inputs ({type(e).__name__}: {e})")
@@ -144,3 +156,13 @@ def _source(t: Any, model_id: str | None, notes: list[str]) -> None:
         standard.model_source(t.c, t.run_id, model_id)
     except Exception as e:  # noqa: BLE001 - the model is logged; its "Logged from" is wrong, said and tagged
         notes.append(f"model: source tags not set ({type(e).__name__}: {e})")
+
+
+def tag_run(t: Any, run_id: str, tags: dict[str, str]) -> None:
+    """Tags on a run other than the one `t` writes (a sweep's finished trial: its state), in the helper; never raises:
+    it is posted without waiting, and a failure would otherwise surface on the next trial's first call."""
+    for k, v in tags.items():
+        try:
+            t.c.set_tag(run_id, k, v)
+        except Exception:  # noqa: BLE001 - a tag is not worth a trial; the study holds the truth
+            return
