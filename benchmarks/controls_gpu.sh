@@ -28,6 +28,7 @@ import os, statistics, sys
 import torch
 from mlflow.tracking import MlflowClient
 
+from mpsrun.track.records.names import from_mlflow  # system/<name> and val_* read as before
 c = MlflowClient(os.environ["MLFLOW_TRACKING_URI"])
 runs = c.search_runs([c.get_experiment_by_name("controls_bench").experiment_id])
 rows = {}
@@ -35,7 +36,7 @@ for r in runs:
     if r.info.status == "FINISHED":
         rows.setdefault(r.info.run_name, []).append(r)
 def med(name, key):
-    return statistics.median(r.data.metrics[key] for r in rows[name])
+    return statistics.median(from_mlflow(r.data.metrics)[key] for r in rows[name])
 base = med("baseline", "steady_epoch_time_s")
 lines = [
     f"FashionMNIST MLP (recipes/fashion_mlp_mps.yaml), {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU (dry run)'}, torch {torch.__version__}, "

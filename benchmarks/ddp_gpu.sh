@@ -85,6 +85,7 @@ python3 - "$OUT/ddp.md" "$BATCHES" "${SKIPPED[*]:-}" "$GRAPHS" <<'PY' 2>&1 | tee
 import os, sys
 from pathlib import Path
 from mlflow.tracking import MlflowClient
+from mpsrun.track.records.names import from_mlflow  # system/<name> read as before
 c = MlflowClient(f"sqlite:///{Path.cwd() / 'mlruns' / 'mlflow.db'}")
 exp = c.get_experiment_by_name("ddp_scaling")
 runs = {r.info.run_name: r for r in c.search_runs([exp.experiment_id])} if exp else {}
@@ -94,7 +95,7 @@ def ips(name):
     r = runs.get(name)
     if r is None or r.info.status != "FINISHED":
         return None, ("skipped" if name in skipped else (r.info.status if r else "missing"))
-    return r.data.metrics.get("steady_train_samples_per_s"), r
+    return from_mlflow(r.data.metrics).get("steady_train_samples_per_s"), r
 f = lambda v, why="n/a": f"{v:,.0f}" if v else why
 third = "DDP eager" if os.environ.get("THIRD") == "ddp" else "graphs, one all-reduce after backward"
 lines = [f"| batch per GPU | 1 GPU, CUDA graphs (img/s) | 2 GPUs, graphs + bucketed in-graph all-reduce (img/s) | scaling | target | 2 GPUs, {third} (img/s) | its scaling |",

@@ -51,11 +51,12 @@ mpsrun run "$REPO/recipes/fashion_mlp_mps.yaml" $FASHION device=$DEV epochs=1 pr
 python3 - "$OUT" <<'EOF' | tee "$OUT/summary.txt"
 import os, shutil, sys
 from mlflow.tracking import MlflowClient
+from mpsrun.track.records.names import from_mlflow  # system/<name> and val_* read as before
 out = sys.argv[1]
 c = MlflowClient(tracking_uri=f"sqlite:///{os.getcwd()}/mlruns/mlflow.db")
 for exp in c.search_experiments():
     for r in c.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"]):
-        t, m = r.data.tags, r.data.metrics
+        t, m = r.data.tags, from_mlflow(r.data.metrics)
         if t.get("mpsrun.kind") == "parity":
             recipe = os.path.basename(t["mpsrun.recipe"]).removesuffix(".yaml")
             name = f"{recipe}_{t['parity.precision']}_{t['parity.device_a']}_vs_{t['parity.device_b']}_{t['parity.steps']}".replace(":", "")
