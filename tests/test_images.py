@@ -337,3 +337,29 @@ def test_the_readme_command_writes_a_folder_the_recipe_reads(tmp_path: Path) -> 
     from mpsrun.recipe import yaml_load
 
     assert yaml_load((Path(__file__).parents[1] / "recipes" / "images_folder.yaml").read_text())["dataset"]["root"] == "data/shapes"
+
+
+def test_the_map_store_and_the_pwrite_store_write_the_same_cache(folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers store through a shared map (pages populated with MADV_POPULATE_WRITE); MPSRUN_DECODE_STORE=pwrite keeps
+    one pwritev an image. Both must give every image's bytes, at its own row, the same."""
+    from mpsrun.plugins.builtin.images import decode
+
+    files = sorted(_files(folder))
+    probe = tmp_path / "probe"
+    probe.write_bytes(bytes(8192))
+    fd = os.open(probe, os.O_RDWR)
+    try:  # this machine's kernel (>= 5.14) takes the advice, so the map path is the one tested below
+        assert decode._populating_map(fd, 8192) is not None
+    finally:
+        os.close(fd)
+    got = {}
+    for store in ("map", "pwrite"):
+        monkeypatch.setenv("MPSRUN_CACHE", str(tmp_path / store))
+        monkeypatch.setenv("MPSRUN_DECODE_STORE", store)
+        got[store] = np.array(cache_mod.open_or_build(files, SIZE, SIZE, "rgb").images)
+    assert got["map"].shape[0] == len(files) and got["map"].any(axis=(1, 2, 3)).sum() >= len(files) - 1  # all but the truncated one
+    assert (got["map"] == got["pwrite"]).all()
+    for i in (0, len(files) // 2, len(files) - 2):  # rows at their own places
+        if files[i].suffix == ".jpg" and "zz_" not in files[i].name:
+            ref = decode.load(str(files[i]), SIZE, SIZE, gray=False)
+            assert (got["map"][i] == ref).all(), files[i]
