@@ -133,6 +133,7 @@ def work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, A
     from mpsrun.track.helper import background
     from mpsrun.track.store import client as store
 
+    warm = _warm_dynamo()
     # One MLflow helper process for all this worker's trials (as `mpsrun run` has one for its run): the
     # trials' MLflow writes and records run there, on another core, beside the training.
     uri, artifact_root = store.resolve_uri(job.tracking_uri)
@@ -142,13 +143,36 @@ def work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, A
 
     threads = torch.get_num_threads()
     try:
-        return _work(job, resolved, index, on_end, ready, tracker)
+        return _work(job, resolved, index, on_end, ready, tracker, warm)
     finally:
         torch.set_num_threads(threads)  # a worker in a longer-lived process (tests, notebooks) gives them back
         tracker.close()
 
 
-def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, Any], None] | None, ready: Callable[[], None] | None, tracker: Any) -> Tally:
+def _warm_dynamo() -> Any:
+    """Import torch._dynamo on a thread while this worker loads its study and data.
+
+    Why: torch's optimizers import it on their first `step` (a graph break for torch.compile),
+    so every worker's first trial paid it: 2.5 s on the 2-core machine, seconds more on the H100
+    machine, inside the trial. Here it overlaps the worker's own start (the data's decompression and
+    the study's load leave the interpreter idle in parts). Nothing trains yet, so the thread costs
+    no step time (a thread importing during training slowed a run's epochs on the H100).
+    """
+    import threading
+
+    def imp() -> None:
+        try:
+            import torch._dynamo  # noqa: F401
+        except Exception:  # noqa: BLE001 - the first trial imports it again and meets the error there
+            pass
+
+    t = threading.Thread(target=imp, name="mpsrun-warm-dynamo", daemon=True)
+    t.start()
+    return t
+
+
+def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, Any], None] | None, ready: Callable[[], None] | None, tracker: Any,
+          warm: Any = None) -> Tally:
     from mpsrun.devices import canary
     from mpsrun.recipe.sweep import trial_recipe
     from mpsrun.sweep import parent, trace
@@ -164,6 +188,8 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
         cache.get(trial_recipe(resolved, placement))  # the data every trial of this recipe's dataset section uses
     except Exception:  # noqa: BLE001 - the first trial meets it again and says why (bad input: exit 2)
         pass
+    if warm is not None:
+        warm.join(60)  # the first trial would wait for the same import
     if ready is not None:
         ready()
     tracing = trace.enabled()
