@@ -170,8 +170,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default="small_cnn", help="small_cnn (two strided convolutions) or a torchvision model name")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads of the training process (default: 1 on cpu, where "
-                    "the DataLoader's workers need the other cores; torch's own choice elsewhere)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of the training process in both paths (default: "
+                    "torch's own for mpsrun, as `mpsrun run` has them; on cpu the DataLoader loop is measured with 1 and with "
+                    "torch's own, since its workers need the cores, and its best counts)")
     ap.add_argument("--n", type=int, default=1536, help="training images written")
     ap.add_argument("--classes", type=int, default=10)
     ap.add_argument("--size", type=int, default=80, help="side of the written JPEGs (and of the cache)")
@@ -186,9 +187,11 @@ def main() -> None:
     ap.add_argument("--decode-workers", type=int, default=None, help="dataset.workers for the cache build (default: all cores)")
     a = ap.parse_args()
     device = torch.device(a.device)
-    threads = a.threads or (1 if device.type == "cpu" else None)
-    if threads:
-        torch.set_num_threads(threads)
+    own_threads = torch.get_num_threads()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    # the DataLoader loop's training-process threads: on the CPU its workers compete with them, so both ways are tried
+    loader_threads = [a.threads] if a.threads else ([1, own_threads] if device.type == "cpu" and own_threads > 1 else [own_threads])
     cmd = "python benchmarks/images_bench.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
     lines = []
 
@@ -240,9 +243,13 @@ def main() -> None:
 
         # (a) the DataLoader loop, per worker count
         loader = {}
+        mine = torch.get_num_threads()
         for w in a.workers:
-            loader[w] = dataloader_run(root, a, device, w)
-            say(f"ImageFolder + DataLoader(num_workers={w}): {loader[w]:,.0f} img/s")
+            for t in loader_threads:
+                torch.set_num_threads(t)
+                loader[w, t] = dataloader_run(root, a, device, w)
+                say(f"ImageFolder + DataLoader(num_workers={w}), {t} torch thread{'s' if t > 1 else ''} in the training process: {loader[w, t]:,.0f} img/s")
+        torch.set_num_threads(mine)
         best_w = max(loader, key=loader.get)  # type: ignore[arg-type]
 
         # (c) resident random tensors at the crop size: the model's own ceiling
@@ -260,7 +267,7 @@ def main() -> None:
             ceiling, _ = engine_run(TensorDataset(x, y), TensorDataset(xv, yv), tf, None, a, device, (3, a.crop, a.crop))
             say(f"same model on resident random uint8 tensors: {ceiling:,.0f} img/s")
 
-    say(f"mpsrun / best DataLoader (num_workers={best_w}): {mpsrun_rate / loader[best_w]:.2f}x")
+    say(f"mpsrun / best DataLoader (num_workers={best_w[0]}, {best_w[1]} torch thread(s)): {mpsrun_rate / loader[best_w]:.2f}x")
     if ceiling:
         say(f"mpsrun / resident random tensors: {mpsrun_rate / ceiling:.2f} ({100 * (1 - mpsrun_rate / ceiling):.1f}% below)")
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
