@@ -169,14 +169,17 @@ def log_served(
     mlflow.set_experiment(experiment_id=experiment_id)  # the LoggedModel's experiment is the run's
     with torch.no_grad():
         y = served(x)
-    signature = infer_signature(x_np, y.numpy())
+    from mpsrun.track.records.model_pt2 import integer_inputs_expected
+
+    with integer_inputs_expected():
+        signature = infer_signature(x_np, y.numpy())
     meta = {**metadata, "data_info": info}
     notes: list[str] = [
         f"model: torch.export failed ({type(export_error).__name__}: {str(export_error).splitlines()[0][:200] if str(export_error) else ''}); "
         "logged with pickle instead: loading it needs the plugin's package and MLFLOW_ALLOW_PICKLE_DESERIALIZATION=true; "
         "pyfunc answers raw scores"
     ]
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d, integer_inputs_expected():
         info_file = Path(d) / "data_info.json"
         info_file.write_text(json.dumps(info, indent=2, default=str))
 

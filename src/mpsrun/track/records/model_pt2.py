@@ -19,6 +19,9 @@ import os
 import re
 import shutil
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +141,7 @@ def log_exported(uri: str, experiment_id: str, run_id: str, pt2_file: str, examp
         pyfunc_output = classifier.table(outputs, classes)  # the signature describes what pyfunc answers
         metadata = {**metadata, "pyfunc_output": "class, class_index, probability, score_<class> per class"}
     meta = json.loads(json.dumps({**metadata, "data_info": info, "serialization": "pt2"}, default=str))
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory() as d, integer_inputs_expected():
         info_file = Path(d) / "data_info.json"
         info_file.write_text(json.dumps(info, indent=2, default=str))
         logged = Model.log(
@@ -161,3 +164,13 @@ def log_exported(uri: str, experiment_id: str, run_id: str, pt2_file: str, examp
         registered = f"models:/{register}/{logged.registered_model_version}"
     return {"model_uri": f"runs:/{run_id}/{artifact}", "model_id": getattr(logged, "model_id", None),
             "seconds": time.perf_counter() - t0, "registered": registered, "notes": []}
+
+
+@contextmanager
+def integer_inputs_expected() -> Iterator[None]:
+    """MLflow's schema inference warns that integer columns cannot hold missing values; an image model's input
+    is uint8 pixels by design (what a client has at serving time), so the hint is noise on the user's screen."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Hint: Inferred schema contains integer column", category=UserWarning)
+        yield
+
