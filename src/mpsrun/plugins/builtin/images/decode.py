@@ -178,6 +178,8 @@ def _decode_claims(out: str, shape: tuple[int, int, int, int], paths: Sequence[s
 
 def _populating_map(fd: int, size: int) -> Optional[mmap.mmap]:
     """A shared writable map of the cache file, or None where MADV_POPULATE_WRITE is refused (old kernel)."""
+    if size <= 0:
+        return None
     mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     try:
         mm.madvise(MADV_POPULATE_WRITE, 0, min(size, PAGE))
