@@ -426,7 +426,10 @@ def _test(setup: Setup, tracker: Any) -> dict[str, float]:
         return {}
     metrics = final_eval.evaluate(setup.model, setup.optimizer, setup.objective, setup.splits.test, setup.resolved.recipe.batch_size,
                                   setup.choice.device, setup.options, setup.splits.transform)
-    tracker.log_metrics(metrics)
+    # the split's size is a param beside data.train_size and data.val_size, not a chart among the user's test results
+    tracker.log_metrics({k: v for k, v in metrics.items() if k != "test_size"})
+    if "test_size" in metrics:
+        tracker.log_params({"data.test_size": int(metrics["test_size"])})
     return metrics
 
 
