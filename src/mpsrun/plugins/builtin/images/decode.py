@@ -140,13 +140,13 @@ def _decode_claims(out: str, shape: tuple[int, int, int, int], paths: Sequence[s
     kernel (ext4, xfs), so on the H100 machine 15 workers decoding at 13,400 img/s stored at 4,700 img/s; page
     faults on a shared map run side by side, and populating an image's pages in one call replaces a fault per
     4 KiB (which on the 2-core machine made plain map stores slower than `pwritev`: 1.4-1.9 ms an image
-    against 1.0-1.2). `pwritev` stays where the kernel lacks the advice (before Linux 5.14) or
-    MPSRUN_DECODE_STORE=pwrite asks for it.
+    against 1.0-1.2). `pwritev` stays where the kernel lacks the advice (before Linux 5.14, macOS) or
+    MPSRUN_DECODE_STORE=pwrite asks for it; a plain map where neither is there (`_store_map`).
     """
     _, c, h, w = shape
     row = c * h * w
     fd = os.open(out, os.O_RDWR)
-    mm = _populating_map(fd, row * shape[0]) if os.environ.get(ENV_STORE, "map") != "pwrite" else None
+    mm, populate = _store_map(fd, row * shape[0], want_map=os.environ.get(ENV_STORE, "map") != "pwrite")
     arr = np.frombuffer(mm, dtype=np.uint8).reshape(shape) if mm is not None else None
     try:
         while True:
@@ -160,8 +160,9 @@ def _decode_claims(out: str, shape: tuple[int, int, int, int], paths: Sequence[s
                     im = _decoded(paths[i], h, w, c == 1)
                     bands = im.split() if c > 1 else (im,)
                     if arr is not None:
-                        start = i * row - (i * row) % PAGE
-                        mm.madvise(MADV_POPULATE_WRITE, start, (i + 1) * row - start)  # type: ignore[union-attr]
+                        if populate:
+                            start = i * row - (i * row) % PAGE
+                            mm.madvise(MADV_POPULATE_WRITE, start, (i + 1) * row - start)  # type: ignore[union-attr]
                         for k, band in enumerate(bands):
                             arr[i, k] = np.asarray(band)
                     else:
@@ -176,17 +177,21 @@ def _decode_claims(out: str, shape: tuple[int, int, int, int], paths: Sequence[s
         os.close(fd)
 
 
-def _populating_map(fd: int, size: int) -> Optional[mmap.mmap]:
-    """A shared writable map of the cache file, or None where MADV_POPULATE_WRITE is refused (old kernel)."""
-    if size <= 0:
-        return None
+def _store_map(fd: int, size: int, want_map: bool = True) -> tuple[Optional[mmap.mmap], bool]:
+    """(map, populate) for the workers' stores: a shared writable map whose pages each image populates with
+    MADV_POPULATE_WRITE where the kernel takes it (Linux 5.14+); else (None, False), one `pwritev` an image; and
+    a plain map, a fault per page, where the advice is refused and there is no `pwritev` either."""
+    if size <= 0 or (not want_map and hasattr(os, "pwritev")):
+        return None, False
     mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     try:
         mm.madvise(MADV_POPULATE_WRITE, 0, min(size, PAGE))
-        return mm
-    except (OSError, ValueError):
-        mm.close()
-        return None
+        return mm, True
+    except (OSError, ValueError, AttributeError):  # refused, or no madvise at all
+        if hasattr(os, "pwritev"):
+            mm.close()
+            return None, False
+        return mm, False
 
 
 def _worker(out: str, shape: tuple[int, int, int, int], paths: Sequence[str], order: Sequence[int], claims: Claims, q: Any) -> None:
