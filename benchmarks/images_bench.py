@@ -40,6 +40,7 @@ import time
 from multiprocessing import get_context
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -89,6 +90,28 @@ def pil_decode_only(root: Path, size: int, workers: int) -> float:
         t0 = time.perf_counter()
         n = sum(pool.imap_unordered(_decode_only, chunks))
         return n / (time.perf_counter() - t0)
+
+
+def store_ab(root: Path, a: argparse.Namespace, tmp: Path, say: Callable[[str], None]) -> None:
+    """Whole cache builds of one folder, the stores alternating round by round (each build a fresh cache folder)."""
+    from mpsrun.plugins.builtin.images.datasets import image_folder
+
+    got: dict[str, list[float]] = {s: [] for s in a.stores.split(",")}
+    for r in range(a.repeats):
+        for store in got:
+            os.environ["MPSRUN_CACHE"] = str(tmp / f"cache-{store}-{r}")
+            os.environ["MPSRUN_DECODE_STORE"] = store
+            os.sync()  # the last build's 2 GB of dirty pages written back first: each build starts as a user's first does
+            t0 = time.perf_counter()
+            splits = image_folder(str(root), size=a.size, workers=a.decode_workers)
+            n = len(splits.train) + len(splits.val)
+            got[store].append(n / (time.perf_counter() - t0))
+            say(f"round {r + 1}, store {store}: {got[store][-1]:,.0f} img/s whole build ({splits.info['tags'].get('mpsrun.data.decode_phases', '')})")
+            del splits
+    os.environ.pop("MPSRUN_DECODE_STORE", None)
+    for store, v in got.items():
+        say(f"store {store}: median {statistics.median(v):,.0f} img/s whole build ({', '.join(f'{x:,.0f}' for x in v)})")
+    say(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
 
 
 def build_model(name: str, classes: int, crop: int) -> nn.Module:
@@ -185,6 +208,9 @@ def main() -> None:
     ap.add_argument("--record", action="store_true", help="append the result to docs/benchmarks.md")
     ap.add_argument("--build-only", action="store_true", help="only the cache build (the decode figure), no training")
     ap.add_argument("--decode-workers", type=int, default=None, help="dataset.workers for the cache build (default: all cores)")
+    ap.add_argument("--stores", default=None, help="with --build-only: whole builds alternating these stores (MPSRUN_DECODE_STORE, "
+                    "e.g. map,pwrite), --repeats rounds, each a fresh cache of the same folder; medians printed")
+    ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
     device = torch.device(a.device)
     own_threads = torch.get_num_threads()
@@ -205,6 +231,9 @@ def main() -> None:
         write_folder(root, a.n, a.classes, a.size, max(a.classes * 2, a.n // 50))
         print(f"wrote {a.n:,} {a.size}px JPEGs in {a.classes} classes in {time.perf_counter() - t0:.1f} s", flush=True)
 
+        if a.build_only and a.stores:
+            store_ab(root, a, Path(tmp), say)
+            return
         # (b) first: the cache build is the decode figure; a fresh cache folder
         os.environ["MPSRUN_CACHE"] = str(Path(tmp) / "cache")
         from mpsrun.plugins.builtin.images.datasets import image_folder

@@ -340,8 +340,9 @@ def test_the_readme_command_writes_a_folder_the_recipe_reads(tmp_path: Path) -> 
 
 
 def test_the_map_store_and_the_pwrite_store_write_the_same_cache(folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Workers store through a shared map (pages populated with MADV_POPULATE_WRITE); MPSRUN_DECODE_STORE=pwrite keeps
-    one pwritev an image. Both must give every image's bytes, at its own row, the same."""
+    """Workers store one pwritev an image; MPSRUN_DECODE_STORE=map stores through a shared map (pages populated with
+    MADV_POPULATE_WRITE), and a platform with neither through a plain map. All must give every image's bytes, at its
+    own row, the same."""
     from mpsrun.plugins.builtin.images import decode
 
     files = sorted(_files(folder))
@@ -349,7 +350,8 @@ def test_the_map_store_and_the_pwrite_store_write_the_same_cache(folder: Path, t
     probe.write_bytes(bytes(8192))
     fd = os.open(probe, os.O_RDWR)
     try:  # this machine's kernel (>= 5.14) takes the advice, so the populated map is the one tested below
-        mm, populate = decode._store_map(fd, 8192)
+        mm, populate = decode._store_map(fd, 8192, want_map=True)
+        assert decode._store_map(fd, 8192, want_map=False) == (None, False)  # the default: pwritev
         assert populate and mm is not None
         mm.close()
     finally:

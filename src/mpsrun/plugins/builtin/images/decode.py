@@ -3,7 +3,7 @@
 Why worker processes that write into the file themselves: decoding is CPU-bound Python
 (PIL releases the GIL only in parts), so threads would not scale, and sending decoded
 pixels back through a pipe would cost as much as decoding small images. Each worker
-writes its rows into the same file through a shared map (see `_decode_claims`); only counts and the
+writes its rows into the same file, one `pwritev` an image (see `_decode_claims`); only counts and the
 indices of files that failed come back.
 
 Why a shared two-ended counter (`Claims`) rather than a pool's task list: on a CUDA
@@ -35,7 +35,7 @@ import numpy as np
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python's mmap module does not name it
 PAGE = mmap.PAGESIZE
-ENV_STORE = "MPSRUN_DECODE_STORE"  # 'pwrite': one pwritev an image (the store before the map)
+ENV_STORE = "MPSRUN_DECODE_STORE"  # 'map': store through a shared map instead of one pwritev an image
 CHUNK = 32  # files per claim of a PIL worker: small enough for a live progress bar and an even finish
 
 
@@ -135,18 +135,18 @@ def _decode_claims(out: str, shape: tuple[int, int, int, int], paths: Sequence[s
                    report: Callable[[int, list[tuple[int, str]]], None]) -> None:
     """Take chunks from the front until none is left; decode each into the file; report (count, [(index, error)]).
 
-    Why stores into a shared memory map, each image's pages first populated writable with one
-    `madvise(MADV_POPULATE_WRITE)`: buffered `pwrite`s to one file are serialised by the file's lock in the
-    kernel (ext4, xfs), so on the H100 machine 15 workers decoding at 13,400 img/s stored at 4,700 img/s; page
-    faults on a shared map run side by side, and populating an image's pages in one call replaces a fault per
-    4 KiB (which on the 2-core machine made plain map stores slower than `pwritev`: 1.4-1.9 ms an image
-    against 1.0-1.2). `pwritev` stays where the kernel lacks the advice (before Linux 5.14, macOS) or
-    MPSRUN_DECODE_STORE=pwrite asks for it; a plain map where neither is there (`_store_map`).
+    Why one `pwritev` of an image's bands at its row: measured with no decoding at all
+    (`benchmarks/decode_store_probe.py`, 10,200 rows of 256px RGB, 15 processes, ext4 on the H100 machine),
+    pwritev stored 15,200 rows/s and a shared map whose pages each row populates with
+    `madvise(MADV_POPULATE_WRITE)` 7,700 (inserting pages into one file's page cache from many processes
+    contends); whole builds there gave pwrite a median of 4,800 img/s against 4,300, and the 2-core machine
+    1,190 against 1,110. MPSRUN_DECODE_STORE=map keeps the map (on tmpfs it stored 19,700 rows/s against
+    pwritev's 11,100); a plain map, a fault per page, where there is no `pwritev` (`_store_map`).
     """
     _, c, h, w = shape
     row = c * h * w
     fd = os.open(out, os.O_RDWR)
-    mm, populate = _store_map(fd, row * shape[0], want_map=os.environ.get(ENV_STORE, "map") != "pwrite")
+    mm, populate = _store_map(fd, row * shape[0], want_map=os.environ.get(ENV_STORE, "pwrite") == "map")
     arr = np.frombuffer(mm, dtype=np.uint8).reshape(shape) if mm is not None else None
     try:
         while True:
@@ -178,9 +178,9 @@ def _decode_claims(out: str, shape: tuple[int, int, int, int], paths: Sequence[s
 
 
 def _store_map(fd: int, size: int, want_map: bool = True) -> tuple[Optional[mmap.mmap], bool]:
-    """(map, populate) for the workers' stores: a shared writable map whose pages each image populates with
-    MADV_POPULATE_WRITE where the kernel takes it (Linux 5.14+); else (None, False), one `pwritev` an image; and
-    a plain map, a fault per page, where the advice is refused and there is no `pwritev` either."""
+    """(map, populate) for the workers' stores: (None, False), one `pwritev` an image, unless the map is wanted
+    or there is no `pwritev`; then a shared writable map whose pages each image populates with
+    MADV_POPULATE_WRITE where the kernel takes it (Linux 5.14+), else a plain map, a fault per page."""
     if size <= 0 or (not want_map and hasattr(os, "pwritev")):
         return None, False
     mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
