@@ -3,7 +3,8 @@
 (a) ``--device cpu`` (the 2-core target): a 16-trial sweep of the digits MLP, 1 epoch a
     trial, one worker, against ONE ``mpsrun run`` of the same recipe. Target: the sweep's
     wall time at most 4x the single run's (a process per trial would be ~16x).
-(b) ``--device cuda`` (the H100 target): a 32-trial sweep of the FashionMNIST MLP (2 epochs a trial) (written
+(b) ``--device cuda`` (the H100 target): a 32-trial sweep of the FashionMNIST MLP (2 epochs a trial, or
+    ``--epochs 10 --batch 64`` as recipes/fashion_mlp_mps.yaml trains) (written
     here with mpsrun.testing.idx, 60000 + 10000 images) with ``--workers 4`` against
     ``--workers 1``. Target: at most 0.5x the wall time.
 
@@ -53,8 +54,8 @@ sweep:
 
 FASHION = """\
 device: cuda
-epochs: 2
-batch_size: 256
+epochs: {epochs}
+batch_size: {batch}
 seed: 0
 dataset:
   name: fashion_mnist
@@ -75,8 +76,7 @@ sweep:
   params:
     optimizer.lr: {{low: 1.0e-3, high: 0.5, log: true}}
     optimizer.momentum: {{low: 0.0, high: 0.95}}
-    batch_size: [128, 256, 512]
-"""
+{batch_param}"""
 
 
 TRACES: dict[str, str] = {}  # label -> the sweep's output, when --trace is given
@@ -153,7 +153,14 @@ def cpu(base: Path, trials: int, repeats: int, trace: bool = False) -> list[tupl
     ]
 
 
-def cuda(base: Path, trials: int, workers: list[int], trace: bool = False) -> list[tuple[str, float, str]]:
+def fashion(root: Path, trials: int, epochs: int, batch: int | None) -> str:
+    """The sweep recipe: `batch` None searches [128, 256, 512] (the default, short trials); a number fixes it
+    (`--epochs 10 --batch 64` trains each trial as recipes/fashion_mlp_mps.yaml does)."""
+    return FASHION.format(root=root, trials=trials, epochs=epochs, batch=batch or 256,
+                          batch_param="" if batch else "    batch_size: [128, 256, 512]\n")
+
+
+def cuda(base: Path, trials: int, workers: list[int], trace: bool = False, epochs: int = 2, batch: int | None = None) -> list[tuple[str, float, str]]:
     from mpsrun.testing.idx import write_idx_dataset
 
     data = base / "data"
@@ -161,7 +168,7 @@ def cuda(base: Path, trials: int, workers: list[int], trace: bool = False) -> li
     rows: list[tuple[str, float, str]] = []
     first = None
     for n in workers:
-        d, recipe = folder(base, f"fashion_w{n}", FASHION.format(root=data, trials=trials))
+        d, recipe = folder(base, f"fashion_w{n}", fashion(data, trials, epochs, batch))
         timed(["run", str(recipe), "-q"], d)  # warm-up: the store, CUDA's first context, the page cache
         wall = timed(["sweep", str(recipe), "--workers", str(n), "-q"], d, f"--workers {n}" if trace else None)
         first = first or wall
@@ -186,13 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", default="1,4", help="cuda: worker counts to compare (the first is the baseline)")
     ap.add_argument("--repeats", type=int, default=3, help="cpu: interleaved (run, sweep) pairs; medians reported")
     ap.add_argument("--trace", action="store_true", help="run the sweeps with MPSRUN_SWEEP_TRACE=1 and print each one's mean seconds per trial and phase")
+    ap.add_argument("--epochs", type=int, default=2, help="cuda: epochs a trial (recipes/fashion_mlp_mps.yaml trains 10)")
+    ap.add_argument("--batch", type=int, default=None, help="cuda: a fixed batch size (the shipped recipe's is 64); default: searched over 128, 256, 512")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="sweep-bench-") as tmp:
         base = Path(tmp)
         if a.device == "cpu":
             rows = cpu(base, a.trials or 16, a.repeats, a.trace)
         else:
-            rows = cuda(base, a.trials or 32, [int(x) for x in a.workers.split(",")], a.trace)
+            rows = cuda(base, a.trials or 32, [int(x) for x in a.workers.split(",")], a.trace, a.epochs, a.batch)
     print(f"\nmachine: {machine(a.device)}\ncommand: python benchmarks/sweep_bench.py {' '.join(sys.argv[1:] if argv is None else argv)}\n")
     print("| what | wall (s) | vs baseline |")
     print("| --- | ---: | ---: |")

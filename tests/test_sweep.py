@@ -114,10 +114,13 @@ def test_median_pruner_prunes_trials_that_lag(work: Workdir) -> None:
 
 
 def test_a_diverging_trial_is_failed_and_the_sweep_goes_on(work: Workdir) -> None:
-    path = recipe(work, "d.yaml", "sw3", "optimizer.lr: [0.05, 1.0e+12]", trials=2, sampler="grid")
+    path = recipe(work, "d.yaml", "sw3", "optimizer.lr: [0.05, 1.0e+12]", trials=3, sampler="grid")
     r = work.cli("sweep", str(path))
     assert r.exit_code == 0, r.output
-    _, kids = children(work, "sw3")
+    said = "sampler grid: 2 points, so 2 trials rather than 3"
+    assert said in r.output
+    parents, kids = children(work, "sw3")
+    assert said in parents[0].data.tags["mpsrun.notes"]  # what the sweep said is kept on its parent run
     by_lr = {k.data.params["optimizer.lr"]: k for k in kids}
     bad = by_lr["1000000000000.0"]
     assert bad.data.tags["mpsrun.sweep.state"] == "FAILED" and bad.info.status == "FAILED"

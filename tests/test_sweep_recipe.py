@@ -120,3 +120,33 @@ def test_workers_divide_the_cores_between_them() -> None:
     code = "import torch; from mpsrun.sweep.worker import share_cores; share_cores(2); print(torch.get_num_threads())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert int(out) == max(1, len(os.sched_getaffinity(0)) // 2)
+
+
+def test_workers_sharing_one_gpu_are_told_whether_they_take_turns_simulated_driver(work, tmp_path, monkeypatch) -> None:
+    """The note on screen before the workers start (the driver's /proc folder simulated: this machine has no NVIDIA GPU)."""
+    from mpsrun.plugins import resolve
+    from mpsrun.sweep import drive, gpu_share
+
+    proc = tmp_path / "gpus"
+    (proc / "0000:19:00.0").mkdir(parents=True)
+    pipe = tmp_path / "mps"
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(pipe))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert "take turns" in gpu_share.note(4, "cuda", str(proc))
+    assert gpu_share.note(1, "cuda", str(proc)) is None  # one worker
+    assert gpu_share.note(4, "cpu", str(proc)) is None  # no GPU in the recipe
+    assert gpu_share.note(4, "auto", str(tmp_path / "absent")) is None  # no NVIDIA driver (a Mac)
+    pipe.mkdir()
+    (pipe / "control").touch()
+    assert "through NVIDIA MPS" in gpu_share.note(2, "auto", str(proc))
+    (proc / "0000:2a:00.0").mkdir()
+    assert gpu_share.note(4, "cuda", str(proc)) is None  # a GPU each (cuda:i)
+    assert "share one GPU" in gpu_share.note(4, "cuda:1", str(proc))  # the recipe pins one of them
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert gpu_share.visible_gpus(str(proc)) == 1 and "share one GPU" in gpu_share.note(4, "cuda", str(proc))
+    # the sweep's plan carries it (the launching command prints plan notes and tags the parent with them)
+    monkeypatch.setattr(gpu_share, "PROC", str(proc))
+    monkeypatch.setattr(gpu_share.note, "__defaults__", (str(proc),))
+    path = work.write("s.yaml", BASE.format(param="optimizer.lr: [0.1]", metric="val_loss", sampler="tpe").replace("device: cpu", "device: cuda"))
+    p = drive.plan(resolve(path), None, 3, None, None, None)
+    assert any("3 workers share one GPU through NVIDIA MPS" in n for n in p.notes), p.notes

@@ -59,7 +59,8 @@ def run_plan(p, quiet: bool) -> None:  # type: ignore[no-untyped-def]
     elif opened.message:
         console.print(f"[yellow]note:[/] {opened.message}", highlight=False, soft_wrap=True)
     for note in p.notes:
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
+        console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+    parent.notes(p.tracking_uri, parent_id, p.notes)
     start = time.monotonic()
 
     def on_end(end, study) -> None:  # type: ignore[no-untyped-def]

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from mpsrun.plugins.components import METRICS
 from mpsrun.recipe.load import Resolved
 from mpsrun.recipe.problems import did_you_mean
-from mpsrun.sweep import space, storage
+from mpsrun.sweep import gpu_share, space, storage
 from mpsrun.sweep.worker import Job, TrialEnd
 
 # What an epoch can log whatever the task (train.assemble.ALWAYS, engine.EpochMetrics), kept here so that
@@ -59,6 +59,9 @@ def plan(resolved: Resolved, trials: int | None, workers: int, storage_url: str 
     if sweep.sampler == "grid" and target > space.grid_size(sweep):
         notes.append(f"sampler grid: {space.grid_size(sweep)} points, so {space.grid_size(sweep)} trials rather than {target}")
         target = space.grid_size(sweep)
+    shared = gpu_share.note(workers, resolved.recipe.device)
+    if shared:
+        notes.append(shared)
     uri, _ = store.resolve_uri(tracking_uri)
     url = storage_url or storage.default_url(uri)
     name = study or resolved.recipe.tracking.experiment or resolved.path.stem

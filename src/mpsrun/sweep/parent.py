@@ -151,6 +151,16 @@ def open_parent(resolved: Resolved, study: Any, storage_url: str, target: int, t
     return Opened(run_id, True, 0)
 
 
+def notes(tracking_uri: str | None, run_id: str, said: list[str]) -> None:
+    """What the sweep said before its workers started (`mpsrun.notes`, as a run's), kept on the parent."""
+    if not said:
+        return
+    try:
+        RunMarker(tracking_uri).c.set_tag(run_id, "mpsrun.notes", "; ".join(said)[:5000])
+    except Exception:  # noqa: BLE001 - said on screen already
+        pass
+
+
 def progress(tracking_uri: str | None, run_id: str, done: int, target: int) -> None:
     try:
         RunMarker(tracking_uri).c.set_tag(run_id, PROGRESS, f"{done}/{target}")
