@@ -20,10 +20,11 @@
 #
 # Knobs: BATCHES ("256 64"), EPOCHS (3), N_TRAIN (30000), GRAPHS (0), BUDGET (seconds this
 # script may take, default 480: a run that would start too late to finish is skipped, said
-# in the table), RUN_TIMEOUT (150 s per run).
+# in the table), RUN_TIMEOUT (150 s per run), BUCKET_SWEEP ("8 4 2": the 2-GPU run again with buckets
+# of that many MiB, MPSRUN_DDP_BUCKET_MB; default 25 as DDP), THIRD (flat | ddp | none).
 set -u
 START=$SECONDS
-export THIRD=${THIRD:-flat}
+export THIRD=${THIRD:-flat} BUCKET_SWEEP=${BUCKET_SWEEP:-}
 DEVICE=${DEVICE:-cuda}; QUICK=${QUICK:-0}; GRAPHS=${GRAPHS:-0}; export DEVICE QUICK
 BUDGET=${BUDGET:-480}; RUN_TIMEOUT=${RUN_TIMEOUT:-150}
 OUT=${OUT:-ddp-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -62,7 +63,11 @@ one() {  # one() NAME [args...]: a run if the budget allows it, its wall time in
 for B in $BATCHES; do
   one "1gpu-b$B" batch_size="$B"                                  # the default: CUDA graphs
   one "2gpu-b$B" batch_size=$((2 * B)) --nproc 2                  # graphs on every rank (graph_sync)
-  if [ "${THIRD:-flat}" = ddp ]; then
+  for mb in ${BUCKET_SWEEP:-}; do  # the same 2-GPU run with other bucket sizes (MiB), one row each below the table
+    MPSRUN_DDP_BUCKET_MB=$mb one "2gpu-bk$mb-b$B" batch_size=$((2 * B)) --nproc 2
+  done
+  if [ "${THIRD:-flat}" = none ]; then :
+  elif [ "${THIRD:-flat}" = ddp ]; then
     MPSRUN_DDP_GRAPHS=0 one "2gpu-ddp-b$B" batch_size=$((2 * B)) --nproc 2   # DDP's eager buckets (before issue 27)
   else
     MPSRUN_DDP_BUCKET_MB=0 one "2gpu-ddp-b$B" batch_size=$((2 * B)) --nproc 2   # graphs, one all-reduce after backward (no overlap)
@@ -115,6 +120,9 @@ for b in sys.argv[2].split():
             tg = r.data.tags
             notes.append(f"{name}: world_size={tg.get('distributed.world_size')} backend={tg.get('distributed.backend')} graphs={r.data.params.get('resolved.graphs')}")
             notes += [f"  {k}: {tg[k][:160]}" for k in sorted(tg) if k.startswith("mpsrun.note") and "graphs" in tg[k]]
+    for mb in os.environ.get("BUCKET_SWEEP", "").split():
+        v, w = ips(f"2gpu-bk{mb}-b{b}")
+        notes.append(f"batch {b} per GPU, buckets of {mb} MiB: 2 GPUs {f(v, why(w))} img/s" + (f", scaling {v / one:.3f}x" if v and one else ""))
 te = c.get_experiment_by_name("ddp_trajectory")
 if te:
     tr = {r.info.run_name: r for r in c.search_runs([te.experiment_id])}
