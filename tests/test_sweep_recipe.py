@@ -140,7 +140,8 @@ def test_workers_sharing_one_gpu_are_told_whether_they_take_turns_simulated_driv
     (pipe / "control").touch()
     assert "through NVIDIA MPS" in gpu_share.note(2, "auto", str(proc))
     (proc / "0000:2a:00.0").mkdir()
-    assert gpu_share.note(4, "cuda", str(proc)) is None  # a GPU each (cuda:i)
+    assert gpu_share.note(2, "cuda", str(proc)) is None  # a GPU each (cuda:i)
+    assert "4 workers on 2 GPUs: up to 2 share each through NVIDIA MPS" in gpu_share.note(4, "cuda", str(proc))
     assert "share one GPU" in gpu_share.note(4, "cuda:1", str(proc))  # the recipe pins one of them
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     assert gpu_share.visible_gpus(str(proc)) == 1 and "share one GPU" in gpu_share.note(4, "cuda", str(proc))

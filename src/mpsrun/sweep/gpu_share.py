@@ -38,9 +38,13 @@ def note(workers: int, device: str, proc: str = PROC) -> Optional[str]:
     if workers <= 1 or device not in ("auto", "cuda") and not device.startswith("cuda:"):
         return None
     n = visible_gpus(proc)
-    if n is None or n == 0 or (n > 1 and device in ("auto", "cuda")):
-        return None  # no NVIDIA GPU, or one for each worker in turn (cuda:i)
+    if not n:
+        return None  # no NVIDIA GPU here
+    per = -(-workers // n) if device in ("auto", "cuda") else workers  # worker i takes cuda:(i % n); a pinned device: all on it
+    if per <= 1:
+        return None  # a GPU each
+    who = f"{workers} workers share one GPU" if per == workers else f"{workers} workers on {n} GPUs: up to {per} share each"
     if mps_running():
-        return f"{workers} workers share one GPU through NVIDIA MPS: their kernels run at once"
-    return (f"{workers} workers share one GPU and take turns on it (time-slicing: kernels of different processes never run at once); "
+        return f"{who} through NVIDIA MPS: their kernels run at once"
+    return (f"{who} and take turns on it (time-slicing: kernels of different processes never run at once); "
             "NVIDIA MPS lets them (`nvidia-cuda-mps-control -d` before the sweep; README, Sweeps)")
