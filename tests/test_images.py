@@ -267,21 +267,44 @@ def test_pil_workers_and_the_gpu_thread_share_the_list_from_both_ends_run_with_t
 
 def test_a_gpu_decoder_that_cannot_start_is_said_and_tagged_simulated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No CUDA here: the GPU path is switched on and its start made to fail (as a broken nvJPEG would); PIL decodes
-    everything, and the screen, the notes and the decode tag say why."""
+    everything, and the screen, the notes and the decode tag say why. Without the simulation the same build says nothing."""
     from mpsrun.plugins.builtin.images import cache as cmod
-    from mpsrun.plugins.builtin.images import gpu_decode
+    from mpsrun.plugins.builtin.images import decode, gpu_decode
 
     def broken(device: str, c: int) -> None:
         raise RuntimeError("nvJPEG unavailable (simulated)")
 
     monkeypatch.setenv("MPSRUN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cmod, "gpu_wanted", lambda: True)
-    monkeypatch.setattr(gpu_decode, "warm", broken)
     root = write(tmp_path / "nogpu", classes=2, per_class=6, size=24)
+    # as this machine is: no CUDA, so the decoder's thread finds none and the build is a CPU machine's, nothing said
     s = image_folder(str(root), size=16, workers=1, val_fraction=0.25)
-    assert len(s.train) + len(s.val) == 12
+    assert s.info["tags"]["mpsrun.data.decode"] == "PIL in 1 process(es): 12" and not s.info.get("notes")
+    assert "gpu_init" not in s.info["tags"]["mpsrun.data.decode_phases"]
+
+    # a CUDA machine (simulated): nvJPEG starts only where PIL alone would take longer than the GPU's start, and says so
+    monkeypatch.setattr(gpu_decode, "available", lambda: True)
+    more = write(tmp_path / "more", classes=2, per_class=40, size=24)  # 80 files: two PIL processes
+    monkeypatch.setenv("MPSRUN_CACHE", str(tmp_path / "cache2"))
+    s = image_folder(str(more), size=16, workers=2, val_fraction=0.25)
+    assert s.info["tags"]["mpsrun.data.decode"].startswith("nvJPEG not started: PIL ")
+    assert s.info["tags"]["mpsrun.data.decode"].endswith("PIL in 2 process(es): 80") and not s.info.get("notes")
+
+    # ... and when it starts but cannot (as a broken nvJPEG would): PIL decodes everything, said on screen and in the notes
+    real = decode._decoded
+
+    def slow(path: str, h: int, w: int, gray: bool):  # type: ignore[no-untyped-def]
+        time.sleep(0.02)  # the workers are forked: they decode at this pace, so the build lasts past the GPU's decision
+        return real(path, h, w, gray)
+
+    monkeypatch.setattr(decode, "_decoded", slow)
+    monkeypatch.setattr(cmod, "GPU_LOOK_S", 0.0)
+    monkeypatch.setattr(cmod, "GPU_WORTH_S", 0.0)
+    monkeypatch.setattr(gpu_decode, "warm", broken)
+    monkeypatch.setenv("MPSRUN_CACHE", str(tmp_path / "cache3"))
+    s = image_folder(str(more), size=16, workers=2, val_fraction=0.25)
+    assert len(s.train) + len(s.val) == 80
     assert any("GPU decoding (nvJPEG) failed, PIL decoded its files instead: RuntimeError: nvJPEG unavailable" in n for n in s.info["notes"])
-    assert s.info["tags"]["mpsrun.data.decode"] == "nvJPEG on the GPU: 0; PIL in 1 process(es): 12"
+    assert s.info["tags"]["mpsrun.data.decode"] == "nvJPEG on the GPU: 0; PIL in 2 process(es): 80"
     assert "decode " in s.info["tags"]["mpsrun.data.decode_phases"] and "stats " in s.info["tags"]["mpsrun.data.decode_phases"]
 
 

@@ -13,19 +13,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-PROC = "/proc/driver/nvidia/gpus"  # one folder per GPU the Linux driver manages
-
-
-def visible_gpus(proc: str = PROC) -> Optional[int]:
-    """NVIDIA GPUs this process may use: the driver's, narrowed by CUDA_VISIBLE_DEVICES; None where there is no driver."""
-    try:
-        n = len(os.listdir(proc))
-    except OSError:
-        return None
-    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if cvd is not None:
-        n = min(n, len([d for d in cvd.split(",") if d.strip() and not d.strip().startswith("-")]))
-    return n
+from mpsrun.devices.nvidia import PROC, visible_gpus
 
 
 def mps_running() -> bool:

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from mpsrun.devices import nvidia
 from mpsrun.plugins.builtin.images import decode, gpu_decode
 
 VERSION = 1  # bump when the decoded pixels would differ (resize rule, alpha handling)
@@ -92,9 +94,28 @@ def _open(folder: Path) -> Optional[Cache]:
     return Cache(folder, arr, {int(k): v for k, v in meta["bad"].items()}, meta["mean"], meta["std"], "reused")
 
 
+GPU_LOOK_S = 0.5  # PIL's pace is judged after this long
+GPU_WORTH_S = 5.0  # nvJPEG starts only when PIL alone would take at least this much longer: its start (CUDA, torchvision,
+# nvJPEG) beside 16 busy PIL processes took over 3.8 s on the H100 machine and slowed them by a quarter meanwhile
+
+
+def _gpu_present() -> bool:
+    """An NVIDIA GPU by the driver's /proc entries (no CUDA started); where there are none to read (not Linux), CUDA is
+    asked, except on macOS, which has no CUDA."""
+    n = nvidia.visible_gpus()
+    if n is not None:
+        return n > 0
+    return sys.platform != "darwin" and gpu_decode.available()
+
+
 def gpu_wanted() -> bool:
-    """nvJPEG where CUDA is there, unless MPSRUN_IMAGE_DECODE=cpu (the benchmark's PIL-only figure)."""
-    return os.environ.get("MPSRUN_IMAGE_DECODE", "auto") != "cpu" and gpu_decode.available()
+    """nvJPEG is tried unless MPSRUN_IMAGE_DECODE=cpu (the benchmark's PIL-only figure).
+
+    Whether CUDA is there is asked on the decoder's thread, after the PIL workers are forked:
+    `torch.cuda.is_available()` starts the CUDA driver, which held the first worker back about
+    0.35 s on the H100 machine (`benchmarks/decode_trace.py`), a fifth of a 10,000-image build.
+    """
+    return os.environ.get("MPSRUN_IMAGE_DECODE", "auto") != "cpu"
 
 
 def _build(folder: Path, paths: list[str], shape: tuple[int, int, int, int], workers: int, quiet: bool, t0: float, key_s: float) -> Cache:
@@ -119,31 +140,44 @@ def _build(folder: Path, paths: list[str], shape: tuple[int, int, int, int], wor
             f.truncate(int(np.prod(shape)))
         meter = decode.Meter(f"decoding {len(paths):,} images once into {folder}", len(paths),
                              stream=open(os.devnull, "w") if quiet else None, t0=t0)
-        use_gpu = gpu_wanted()
+        use_gpu = gpu_wanted() and _gpu_present()
         # PIL-only files first, JPEGs last: the GPU takes from the back and never goes below the first JPEG
         order = sorted(range(len(paths)), key=lambda i: decode.is_jpeg(paths[i])) if use_gpu else list(range(len(paths)))
         floor = sum(1 for i in order if not decode.is_jpeg(paths[i])) if use_gpu else len(order)
         use_gpu = use_gpu and floor < len(order)  # no JPEG, nothing for nvJPEG
         ctx = decode.context()
         claims = decode.Claims(len(order), gpu_floor=floor, ctx=ctx)
-        # one core is left to the GPU thread (reading files, launching kernels) when it runs
-        n_proc = min(max(1, workers - (1 if use_gpu else 0)), max(1, len(paths) // decode.CHUNK))
+        # every core to PIL: the GPU thread joins late (1 s or more of warm-up), and at 10,000 images PIL was done before it
+        n_proc = min(max(1, workers), max(1, len(paths) // decode.CHUNK))
         t = time.perf_counter()
-        pool = decode.Workers(n_proc if workers > 1 else 1, str(out), shape, paths, order, claims, ctx)  # forked before CUDA starts
+        pool = decode.Workers(n_proc if workers > 1 else 1, str(out), shape, paths, order, claims, ctx)  # forked before CUDA starts, or is asked for
         phases["workers_start"] = time.perf_counter() - t
         gpu = None
-        if use_gpu:
-            arr = np.memmap(out, dtype=np.uint8, mode="r+", shape=shape)
-            gpu = gpu_decode.Thread(paths, order, claims.back, arr)
         total = len(paths)
+        gpu_why = ""  # why nvJPEG was not started, said with the decoders
+        if use_gpu and not pool.procs:
+            gpu_why = "nvJPEG not started: too few files to share"
+            use_gpu = False
         if pool.procs:
             while pool.poll(0.1):
+                if use_gpu and gpu is None and time.perf_counter() - t >= GPU_LOOK_S:
+                    # seconds PIL alone would still take, at its pace so far
+                    left = (total - pool.done) * (time.perf_counter() - t) / pool.done if pool.done else float("inf")
+                    if left >= GPU_WORTH_S:
+                        arr = np.memmap(out, dtype=np.uint8, mode="r+", shape=shape)
+                        gpu = gpu_decode.Thread(paths, order, claims.back, arr)
+                    else:
+                        use_gpu = False
+                        gpu_why = f"nvJPEG not started: PIL had {left:.1f} s left, under the GPU's start of about {GPU_WORTH_S:.0f} s"
                 meter(pool.done + (gpu.decoded if gpu else 0), total)
+            if use_gpu and gpu is None:
+                gpu_why = f"nvJPEG not started: PIL finished within {GPU_LOOK_S} s"
         else:
             pool.run_here()
         pool.join()
         gpu_left: list[tuple[int, str]] = []
         if gpu is not None:
+            gpu.checked.wait(5)  # whether there is a GPU at all: instant without CUDA, the driver's start (~0.3 s) with it
             if claims.close() or not gpu.thread.is_alive():  # it took files (or is done): wait for them
                 gpu.join()
                 gpu_left = gpu.left
@@ -153,6 +187,9 @@ def _build(folder: Path, paths: list[str], shape: tuple[int, int, int, int], wor
             if gpu.error:
                 notes.append(f"images: GPU decoding (nvJPEG) failed, PIL decoded its files instead: {gpu.error}")
             del arr
+            if gpu.absent:  # no CUDA GPU: a CPU machine's build, said as one
+                gpu = None
+                phases.pop("gpu_init", None)
         phases["decode"] = time.perf_counter() - t
         bad = dict(pool.bad)
         t = time.perf_counter()
@@ -168,7 +205,7 @@ def _build(folder: Path, paths: list[str], shape: tuple[int, int, int, int], wor
         phases["pil_retry"] = time.perf_counter() - t
         # failed midway: PIL decoded again every file the thread had taken, so it counts none
         n_gpu = 0 if gpu is None or gpu.error else gpu.decoded - len(gpu_left)
-        how = []
+        how = [gpu_why] if gpu_why else []
         if gpu is not None:
             how.append(f"nvJPEG on the GPU: {n_gpu:,}" + (" (still starting when PIL had finished)" if phases.get("gpu_init", 0) is None else ""))
         n_pil = total - n_gpu

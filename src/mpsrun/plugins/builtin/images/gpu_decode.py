@@ -179,8 +179,9 @@ def _fit(img: Any, h: int, w: int) -> Any:
 class Thread:
     """The GPU decoder on a thread: warms up, then takes batches from the back of the claims.
 
-    `init_s` (warm-up seconds), `decoded` (images it decoded), `left` (refused, for PIL) and `error`
-    (why it could not run: the caller says so on screen and in the run's tags) are read after `join()`.
+    `init_s` (warm-up seconds), `decoded` (images it decoded), `left` (refused, for PIL), `error`
+    (why it could not run: the caller says so on screen and in the run's tags) and `absent` (no CUDA
+    GPU: nothing to say) are read after `join()`.
     """
 
     def __init__(self, paths: Sequence[str], order: Sequence[int], claim: Callable[[int], range], arr: np.ndarray, device: str = "cuda") -> None:
@@ -199,6 +200,8 @@ class Thread:
         self.decoded = 0
         self.left: list[tuple[int, str]] = []
         self.error: Optional[str] = None
+        self.absent = False  # no CUDA GPU here: it ended without taking anything, and nothing is said
+        self.checked = threading.Event()  # set once it knows whether there is a GPU
         self.thread = threading.Thread(target=self._run, name="mpsrun-nvjpeg", daemon=True)
         self.thread.start()
 
@@ -207,6 +210,12 @@ class Thread:
 
     def _run(self) -> None:
         t0 = time.perf_counter()
+        try:
+            if self.device == "cuda" and not available():  # asked here, after the PIL workers are forked (see cache._build)
+                self.absent = True
+                return
+        finally:
+            self.checked.set()
         try:
             warm(self.device, self.args[3].shape[1])
         except Exception as e:  # no usable nvJPEG: PIL takes every file; said by the caller
