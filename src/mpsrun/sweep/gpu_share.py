@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from mpsrun.devices.nvidia import PROC, visible_gpus
+from mpsrun.plugins.nvidia import PROC, visible_gpus
 
 
 def mps_running() -> bool:

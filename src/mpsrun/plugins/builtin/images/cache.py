@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from mpsrun.devices import nvidia
+from mpsrun.plugins import nvidia
 from mpsrun.plugins.builtin.images import decode, gpu_decode
 
 VERSION = 1  # bump when the decoded pixels would differ (resize rule, alpha handling)

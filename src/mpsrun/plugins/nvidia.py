@@ -3,7 +3,8 @@
 Why: `torch.cuda.is_available()` starts the CUDA driver (0.3-0.4 s on the H100 machine); a
 question that only needs "is there an NVIDIA GPU here, and how many may this process use"
 (the sweep's note on workers sharing one, the image cache deciding whether nvJPEG could help)
-reads the driver's `/proc` entries instead.
+reads the driver's `/proc` entries instead. It lives with the plugins (not `devices/`) because the
+package's wings let plugins import only plugins and recipes, and the sweep may import plugins.
 """
 
 from __future__ import annotations
