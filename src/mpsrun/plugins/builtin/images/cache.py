@@ -96,7 +96,7 @@ def _open(folder: Path) -> Optional[Cache]:
 
 GPU_LOOK_S = 0.5  # PIL's pace is judged after this long
 GPU_WORTH_S = 5.0  # nvJPEG starts only when PIL alone would take at least this much longer: its start (CUDA, torchvision,
-# nvJPEG) beside 16 busy PIL processes took over 3.8 s on the H100 machine and slowed them by a quarter meanwhile
+# nvJPEG) beside 16 busy PIL processes took 8.7 s on the H100 machine and slowed them by a quarter meanwhile
 
 
 def _gpu_present() -> bool:

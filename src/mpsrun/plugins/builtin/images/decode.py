@@ -28,7 +28,6 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -139,8 +138,8 @@ def _decode_claims(out: str, shape: tuple[int, int, int, int], paths: Sequence[s
     (`benchmarks/decode_store_probe.py`, 10,200 rows of 256px RGB, 15 processes, ext4 on the H100 machine),
     pwritev stored 15,200 rows/s and a shared map whose pages each row populates with
     `madvise(MADV_POPULATE_WRITE)` 7,700 (inserting pages into one file's page cache from many processes
-    contends); whole builds there gave pwrite a median of 4,800 img/s against 4,300, and the 2-core machine
-    1,190 against 1,110. MPSRUN_DECODE_STORE=map keeps the map (on tmpfs it stored 19,700 rows/s against
+    contends). Whole builds there swung too much from round to round to rank the two (3,700-7,600 img/s with
+    either); on the 2-core machine they tie (1,190 against 1,110). MPSRUN_DECODE_STORE=map keeps the map (on tmpfs it stored 19,700 rows/s against
     pwritev's 11,100); a plain map, a fault per page, where there is no `pwritev` (`_store_map`).
     """
     _, c, h, w = shape
