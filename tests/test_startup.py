@@ -253,7 +253,7 @@ tracking: {experiment: startup}
 VARIES = {"mpsrun.command", "mpsrun.owner", "mlflow.runName", "mpsrun.mlflow_helper", "mpsrun.pid", "mpsrun.pid_start", "mpsrun.heartbeat",
           "mpsrun.model_uri", "mpsrun.model_id", "mlflow.note.content", "mlflow.loggedModels"}
 ADDED_METRICS: set[str] = set()  # mpsrun's bookkeeping (mlflow_setup_wait_s among it) is in mpsrun_timings.json
-ADDED_TAGS = {"mpsrun.mlflow_helper"}
+ADDED_TAGS = {"mpsrun.mlflow_helper", "mpsrun.model_export"}
 
 
 def _record(work, run) -> dict:  # type: ignore[no-untyped-def]
@@ -298,16 +298,18 @@ def baseline(work):  # type: ignore[no-untyped-def]
 def test_background_tracker_keeps_every_record(work, baseline, mode: str) -> None:  # type: ignore[no-untyped-def]
     recipe, before = baseline
     if mode in ("process", "auto"):  # the real console path in a fresh interpreter
-        out, text = probe(["run", str(recipe), "-q"], work.path, env={"MPSRUN_MLFLOW_HELPER": mode, "MPSRUN_HELPER_TRACE": str(work.path / "helper_trace.txt")})
+        # the model exported ahead by the exporter process (track/helper/exporter.py; on by default from 4 cores)
+        out, text = probe(["run", str(recipe), "-q"], work.path, env={"MPSRUN_MLFLOW_HELPER": mode, "MPSRUN_HELPER_TRACE": str(work.path / "helper_trace.txt"),
+                                                                       "MPSRUN_EXPORT_AHEAD": "1"})
         assert out["code"] == 0, text
         # the training process never imports MLflow, matplotlib or scikit-learn: the helper does the MLflow work
         assert set(out["heavy"]) == {"torch"}, text
     else:
-        os.environ["MPSRUN_MLFLOW_HELPER"] = mode
+        os.environ["MPSRUN_MLFLOW_HELPER"], os.environ["MPSRUN_EXPORT_AHEAD"] = mode, "0"
         try:
             r = work.cli("run", recipe, "-q")
         finally:
-            del os.environ["MPSRUN_MLFLOW_HELPER"]
+            del os.environ["MPSRUN_MLFLOW_HELPER"], os.environ["MPSRUN_EXPORT_AHEAD"]
         assert r.exit_code == 0, r.output
     runs = work.runs("startup")
     assert len(runs) == 2
@@ -324,10 +326,20 @@ def test_background_tracker_keeps_every_record(work, baseline, mode: str) -> Non
     differ = sorted(k for k in before["tags"] if k not in VARIES and after["tags"][k] != before["tags"][k])
     assert differ == [], [(k, before["tags"][k], after["tags"][k]) for k in differ]
     assert after["tags"]["mpsrun.mlflow_helper"] == {"auto": "process (auto)", "process": "process (MPSRUN_MLFLOW_HELPER=process)", "thread": "thread (MPSRUN_MLFLOW_HELPER=thread)"}[mode]
-    if mode == "auto":  # the model: exported by the training process, written by the helper without torch
+    if mode == "auto":  # the model: exported ahead by the exporter, written by the helper without torch
         assert _model_files(work, runs[1]) == _model_files(work, runs[0])
         text = (work.path / "helper_trace.txt").read_text()
         assert "torch imported: False" in text, text
+        assert after["tags"]["mpsrun.model_export"].startswith("ahead: exported while training"), after["tags"]["mpsrun.model_export"]
+        # the trained weights, not the untrained ones the export began with: the same answers as the in-process export
+        import mlflow
+
+        mlflow.set_tracking_uri(work.uri)
+        ahead, here = (mlflow.pytorch.load_model(f"runs:/{r.info.run_id}/model") for r in (runs[1], runs[0]))
+        x = torch.randint(0, 17, (9, 1, 8, 8), dtype=torch.uint8)
+        assert torch.equal(ahead(x), here(x))
+    else:
+        assert after["tags"]["mpsrun.model_export"] == "at the end of the run (MPSRUN_EXPORT_AHEAD=0)"
     # the same training: the data, split and weights did not change with the readers
     assert after["metrics"]["val_accuracy"] == before["metrics"]["val_accuracy"]
     c = work.client()

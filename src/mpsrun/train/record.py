@@ -292,6 +292,13 @@ def end(rec: Recorder, result: "TrainResult") -> None:
         rec.timings["figures_time_s"] = time.perf_counter() - t0  # with the helper: until drawn, beside the model
 
 
+def model_ahead(tracker: Any, setup: "Setup") -> None:
+    """Before training: hand the untrained model to the tracker's exporter process, where it has one
+    (`track/helper/exporter.py`: the export is done by the time training ends; the weights come then)."""
+    if hasattr(type(tracker), "model_ahead") and setup.resolved.recipe.tracking.log_model and distributed.is_main_process():
+        tracker.model_ahead(lambda: (model_log.served_copy(setup.model, setup.plan.transform), _host(_example(setup))))
+
+
 def _log_model(rec: Recorder, result: "TrainResult") -> None:
     setup, tracker = rec.setup, rec.tracker
     r = setup.resolved.recipe

@@ -301,6 +301,7 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
     if tracker is None:
         uri, artifact_root = tracking.resolve_uri(tracking_uri)
         tracker = job_run.tracker(uri, experiment or experiment_name(setup.resolved), artifact_root)  # rank 0 alone writes
+    record.model_ahead(tracker, setup)  # the exporter process (if any) exports while the run opens and trains
     try:
         info, all_tags, generation = _open_run(setup, tracker, parent_run_id, tags, resume)
     except OwnerConflict:  # another live process owns the run: nothing written, nothing to mark

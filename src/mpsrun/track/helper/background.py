@@ -67,13 +67,15 @@ def may_run_on_mps(device: str | None) -> bool:
 
 
 def start(uri: str, experiment: str, artifact_root: str | None = None, mode: str | None = None, device: str | None = None,
-          keep_open: bool = False) -> "BackgroundTracker":
+          keep_open: bool = False, export_ahead: bool = False) -> "BackgroundTracker":
     """Begin MLflow set-up now (import, client, store checks, experiment look-up); returns at once.
 
     `device`: the recipe's; auto mode keeps the tracker in this process where it may be MPS.
     `keep_open`: runs one after another (`close()` when done), as a sweep's worker does.
+    `export_ahead`: the run logs a model: start the exporter process too, where it pays
+    (track/helper/exporter.py).
     """
-    return BackgroundTracker(uri, experiment, artifact_root, mode, device, keep_open)
+    return BackgroundTracker(uri, experiment, artifact_root, mode, device, keep_open, export_ahead)
 
 
 class BackgroundTracker:
@@ -84,7 +86,7 @@ class BackgroundTracker:
     """
 
     def __init__(self, uri: str, experiment: str, artifact_root: str | None = None, mode: str | None = None, device: str | None = None,
-                 keep_open: bool = False) -> None:
+                 keep_open: bool = False, export_ahead: bool = False) -> None:
         self.uri, self.experiment, self.artifact_root = uri, experiment, artifact_root
         self.keep_open = keep_open  # one run after another in the same helper (a sweep's worker): `finish` leaves it running
         self.mode, self.mode_reason = choose_mode(mode)
@@ -108,6 +110,18 @@ class BackgroundTracker:
             self._thread.start()
         elif self.mode == "process":
             self._remote = _Remote(uri, experiment, artifact_root)
+        self._exporter: Any = None
+        self._export_asked = export_ahead  # `mpsrun run` (tagged mpsrun.model_export), not a sweep's worker
+        self.export_why = "" if export_ahead else "no exporter process: `mpsrun run` starts one"
+        if export_ahead:
+            from mpsrun.track.helper import exporter
+
+            wanted, self.export_why = exporter.wanted()
+            if wanted:
+                try:
+                    self._exporter = exporter.Exporter()
+                except OSError as e:
+                    self.export_why = f"the exporter process did not start ({e})"
 
     # -- set-up
     def _warm(self) -> None:
@@ -259,8 +273,61 @@ class BackgroundTracker:
             return self._need().handoff_time_s
         return self._handoff_s + (self._tracker.handoff_time_s if self._tracker is not None else 0.0)
 
+    def model_ahead(self, make: Callable[[], tuple[Any, Any]]) -> None:
+        """Hand the exporter process the untrained model (`make()`: a CPU served copy and the input
+        example) so that it exports while the run trains; nothing without an exporter."""
+        if self._exporter is None:
+            return
+        try:
+            self._exporter.begin(*make())
+        except Exception as e:  # noqa: BLE001 - the end of the run exports in this process, and says why
+            self._exporter.close()
+            self._exporter, self.export_why = None, f"the model could not be handed to the exporter ({type(e).__name__}: {e})"
+
+    def _log_model_ahead(self, served: Any, example: Any, rest: tuple) -> Any:
+        """`log_model` from the exporter's pt2 file; None (with `export_why` set) where it cannot serve."""
+        import tempfile
+
+        import torch
+
+        from mpsrun.track.helper.exporter import ExportAheadFailed
+        from mpsrun.track.records import model_log
+
+        exporter, self._exporter = self._exporter, None
+        try:
+            with tempfile.TemporaryDirectory(prefix="mpsrun-model-") as d:
+                try:
+                    pt2, info = exporter.finish(served, d)
+                except ExportAheadFailed as e:
+                    self.export_why = f"the exporter could not serve: {e}"
+                    return None
+                outputs = model_log.example_outputs(served, example)
+                args = ("log_exported", pt2, example, outputs, str(torch.__version__), *rest)
+                out = self._call("hook", *args) if self._remote is not None else self._need().hook(*args)
+        finally:
+            exporter.close()
+        began = f"exported while training ({info['began_s']:.2f} s)" if info.get("began_s") is not None else "exported while training"
+        if info["how"] == "ahead":
+            how = f"ahead: {began} in a process of its own; the trained weights swapped in at the end (waited {exporter.waited_s:.2f} s)"
+        else:
+            how = f"again at the end in the exporter process ({info['why']}; waited {exporter.waited_s:.2f} s)"
+        self.set_tags({"mpsrun.model_export": how})
+        return out
+
     def hook(self, name: str, *args: Any) -> Any:
         """A record hook (`track.hooks`): in the helper, a model handed over as a file (torch.save)."""
+        if name == "log_model" and self._exporter is not None:
+            out = self._log_model_ahead(args[0], args[1], args[2:])
+            if out is not None:
+                return out
+            out = dict(self._log_model_here(name, *args))  # the exporter could not serve: exported here, said
+            out["notes"] = [*out.get("notes", []), f"model: not exported ahead ({self.export_why}); exported at the end of the run instead"]
+            return out
+        if name == "log_model" and self._export_asked:
+            self.set_tags({"mpsrun.model_export": f"at the end of the run ({self.export_why or 'no exporter process'})"})
+        return self._log_model_here(name, *args)
+
+    def _log_model_here(self, name: str, *args: Any) -> Any:
         if self._remote is None:
             return self._need().hook(name, *args)
         if name != "log_model":
@@ -294,6 +361,9 @@ class BackgroundTracker:
             self._call("log_file", str(p), None)
 
     def finish(self, status: str, error: BaseException | None = None) -> None:
+        exporter, self._exporter = self._exporter, None  # a run that ended before its model was logged
+        if exporter is not None:
+            exporter.close()
         if self._remote is None:
             self._need().finish(status, error)
             return
@@ -317,11 +387,14 @@ class BackgroundTracker:
         self.close(wait=False)
 
     def close(self, wait: bool = True) -> None:
-        """Stop the helper (it writes what it holds, then exits); safe to call twice.
+        """Stop the helper (it writes what it holds, then exits) and the exporter; safe to call twice.
 
         `wait=False` when abandoning before `start` (bad input): nothing is held, and
         the helper finishes its read-only set-up and exits on its own.
         """
+        exporter, self._exporter = self._exporter, None
+        if exporter is not None:
+            exporter.close()
         if self._remote is not None:
             self._remote.close(wait)
 

@@ -88,23 +88,35 @@ def served_copy(model: nn.Module, transform: Optional[Callable[[torch.Tensor], t
     return ServedModel(net, _fresh_transform(transform)).eval()
 
 
-def export_pt2(served: ServedModel, example: np.ndarray, folder: str | Path) -> tuple[str, np.ndarray]:
-    """`torch.export` the served module on `example` (batch dimension dynamic, as MLflow's pt2 does)
-    into `folder/model.pt2`; returns the file and the example's outputs (for the signature).
-
-    Run in the training process, which has torch._dynamo loaded already, so that the MLflow
-    helper need not import torch at all (track/model_pt2.py writes the MLflow model around it).
-    """
+def export_program(served: ServedModel, example: Any) -> Any:
+    """`torch.export` the served module on `example`, the batch dimension dynamic (as MLflow's pt2 does)."""
     from torch.export import Dim
 
-    x = torch.from_numpy(np.ascontiguousarray(example))
+    x = torch.as_tensor(np.ascontiguousarray(example))
+    dynamic = [{0: Dim.AUTO}] if hasattr(Dim, "AUTO") else [{0: Dim("dim_0")} if x.shape[0] > 1 else None]
+    return torch.export.export(served, (x,), dynamic_shapes=dynamic)
+
+
+def example_outputs(served: ServedModel, example: Any) -> np.ndarray:
+    """The served module's outputs on the example (for the signature), float numpy."""
+    x = torch.as_tensor(np.ascontiguousarray(example))
     with torch.no_grad():
         y = served(x)
-    dynamic = [{0: Dim.AUTO}] if hasattr(Dim, "AUTO") else [{0: Dim("dim_0")} if x.shape[0] > 1 else None]
-    program = torch.export.export(served, (x,), dynamic_shapes=dynamic)
+    return y.detach().float().numpy() if y.dtype not in (torch.float32, torch.float64) else y.detach().numpy()
+
+
+def export_pt2(served: ServedModel, example: np.ndarray, folder: str | Path) -> tuple[str, np.ndarray]:
+    """`export_program` into `folder/model.pt2`; returns the file and the example's outputs.
+
+    Run in the training process, which has torch._dynamo loaded already, so that the MLflow
+    helper need not import torch at all (track/model_pt2.py writes the MLflow model around it),
+    unless the exporter process exported it ahead (track/helper/exporter.py).
+    """
+    y = example_outputs(served, example)
+    program = export_program(served, example)
     path = Path(folder) / "model.pt2"
     torch.export.save(program, str(path))
-    return str(path), y.detach().float().numpy() if y.dtype not in (torch.float32, torch.float64) else y.detach().numpy()
+    return str(path), y
 
 
 def log_model(

@@ -1,0 +1,267 @@
+"""Export the logged model ahead, in a process of its own, while the run trains.
+
+Why: the end of a run used to export the trained model with `torch.export` in the
+training process, after the last epoch: importing `torch.export._trace` and tracing cost
+about 1.9 s of a 10-epoch fashion run on the H100 machine (1.1 s on the 2-core one), a
+second or two every user waits for and no plain script pays. A model's graph does not
+depend on its weights, so the exporter (`python -m mpsrun.track.helper.exporter`),
+started with the MLflow helper before torch is imported, imports torch and torch.export
+on a core of its own, exports a CPU copy of the untrained model as soon as it is built,
+and at the end only swaps the trained weights into the exported program and saves it.
+
+It is an optimisation, never a second source of truth: the end compares the final
+model with the one exported ahead (module types, plain attributes, state_dict names,
+shapes and dtypes, buffers outside the state_dict, the input transform) and exports
+again where anything but the weights changed; any failure (the model does not
+unpickle there, the exporter died or is too slow) sends the run back to exporting in
+its own process, said in the run's notes. Which path served is tagged
+(`mpsrun.model_export`).
+
+Default (`MPSRUN_EXPORT_AHEAD=auto`): on with 4 or more usable cores. On two cores a
+third process importing torch beside the training process and the MLflow helper slows
+the start of the run more than the export costs at its end.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from mpsrun.track.helper.pipe import decode, read_exact, receive, send
+
+ENV = "MPSRUN_EXPORT_AHEAD"  # auto | 1 | 0
+WAIT_ENV = "MPSRUN_EXPORT_AHEAD_WAIT_S"  # the most the end of a run waits for the exporter (default 300)
+MIN_CORES = 4
+
+
+class ExportAheadFailed(Exception):
+    """The exporter could not give the pt2 file: the run exports in its own process instead."""
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def wanted() -> tuple[bool, str]:
+    """(start an exporter?, why), from $MPSRUN_EXPORT_AHEAD and the usable cores."""
+    raw = os.environ.get(ENV, "auto").strip().lower()
+    if raw in ("1", "on", "true", "yes"):
+        return True, f"{ENV}={raw}"
+    if raw in ("0", "off", "false", "no"):
+        return False, f"{ENV}={raw}"
+    cores = _cores()
+    if cores >= MIN_CORES:
+        return True, f"auto: {cores} cores"
+    return False, f"auto: {cores} cores (a third process importing torch would slow the run's start more than it saves at the end; {ENV}=1 forces it)"
+
+
+class Exporter:
+    """The training process's side: start the exporter, hand it the model twice, take the pt2 file."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="mpsrun-export-")
+        self.log = os.path.join(self.dir, "exporter.log")
+        self.begun = False
+        self.waited_s = 0.0
+        with open(self.log, "wb") as err:
+            # Own session: a Ctrl-C at the terminal is the training process's to handle; an exporter
+            # whose parent is gone reads the end of its stdin and exits. One thread: it must not take
+            # cores from the training it runs beside.
+            self.proc = subprocess.Popen([sys.executable, "-m", "mpsrun.track.helper.exporter"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=err, start_new_session=True, bufsize=0,
+                                         env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+
+    def begin(self, served: Any, example: Any) -> None:
+        """Hand over the untrained CPU copy and the input example; returns at once (the exporter works meanwhile)."""
+        import torch
+
+        path = os.path.join(self.dir, "begin.pt")
+        torch.save({"served": served, "example": example}, path)  # a file: a pipe would block on a large model
+        self._send(("begin", path))
+        self.begun = True
+
+    def finish(self, served: Any, folder: str) -> tuple[str, dict[str, Any]]:
+        """The trained model's pt2 file in `folder`, and how it was made; raises ExportAheadFailed."""
+        import torch
+
+        if not self.begun:
+            raise ExportAheadFailed("the model was not handed to the exporter before training")
+        path = os.path.join(self.dir, "finish.pt")
+        torch.save({"served": served}, path)
+        t0 = time.perf_counter()
+        try:
+            self._send(("finish", path, folder))
+            ok_begin, began = self._receive()
+            ok, value = self._receive()
+        finally:
+            self.waited_s = time.perf_counter() - t0
+        if not ok:
+            raise ExportAheadFailed(value if ok_begin else began)
+        pt2, info = value
+        info["began_s"] = began.get("export_s") if isinstance(began, dict) else None
+        return pt2, info
+
+    def close(self) -> None:
+        """End the exporter and remove its files (safe to call twice)."""
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.stdin.close()  # type: ignore[union-attr]
+            except OSError:
+                pass
+            try:  # an idle exporter ends at once; one still importing or exporting is not waited for
+                proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _send(self, msg: tuple) -> None:
+        try:
+            send(self.proc.stdin, msg)  # type: ignore[arg-type]
+        except (BrokenPipeError, OSError) as e:
+            raise ExportAheadFailed(f"the exporter process ended ({self._last_words() or e})") from None
+
+    def _receive(self) -> Any:
+        deadline = time.monotonic() + float(os.environ.get(WAIT_ENV, "300"))
+
+        def stalled() -> str | None:
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                return f"no answer within {os.environ.get(WAIT_ENV, '300')} s ({WAIT_ENV}); killed"
+            return None
+
+        fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
+        try:
+            return decode(lambda n: read_exact(fd, n, stalled))
+        except (EOFError, OSError) as e:
+            code = self.proc.poll()
+            raise ExportAheadFailed(f"the exporter process ended (exit {code}): {self._last_words() or e}") from None
+
+    def _last_words(self) -> str:
+        try:
+            lines = [ln for ln in Path(self.log).read_text(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return ""
+        return lines[-1][:300] if lines else ""
+
+
+# -- the exporter process
+
+
+def fingerprint(served: Any) -> bytes | None:
+    """What, besides the weights' values, decides the exported graph; None when it cannot be told.
+
+    Module types and their plain attributes (training flags, sizes, anything a forward may read),
+    state_dict names, shapes and dtypes, buffers outside the state_dict with their values, and the
+    input transform. Two fingerprints are compared in the same process (the same hash seed).
+    """
+    try:
+        parts: list[Any] = []
+        for name, m in served.named_modules():
+            plain = {k: v for k, v in vars(m).items() if not k.startswith("_")}
+            parts.append((name, type(m).__module__, type(m).__qualname__, pickle.dumps(plain)))
+        sd = served.state_dict()
+        parts.append([(k, tuple(v.shape), str(v.dtype)) for k, v in sd.items()])
+        parts.append([(n, pickle.dumps(b.detach().cpu())) for n, b in served.named_buffers() if n not in sd])
+        return pickle.dumps(parts)
+    except Exception:  # noqa: BLE001 - something that does not pickle: export again at the end
+        return None
+
+
+def _begin(path: str) -> dict[str, Any]:
+    import torch
+
+    from mpsrun.track.records import model_log
+
+    loaded = torch.load(path, map_location="cpu", weights_only=False)
+    served, example = loaded["served"], loaded["example"]
+    seen = fingerprint(served)  # before the export runs it: a transform may cache tensors on first use
+    t0 = time.perf_counter()
+    program = model_log.export_program(served, example)
+    return {"example": example, "program": program, "print": seen, "export_s": time.perf_counter() - t0}
+
+
+def _finish(state: dict[str, Any], path: str, folder: str) -> tuple[str, dict[str, Any]]:
+    import torch
+
+    from mpsrun.track.records import model_log
+
+    final = torch.load(path, map_location="cpu", weights_only=False)["served"]
+    t0 = time.perf_counter()
+    program, why = state["program"], ""
+    now = fingerprint(final)
+    sd = final.state_dict()
+    if now is None or now != state["print"]:
+        why = "the model changed beyond its weights during training" if now is not None else "the model's attributes cannot be compared"
+    elif set(program.state_dict) != set(sd):
+        why = "the exported program's weights are not named as the model's"
+    if why:
+        program = model_log.export_program(final, state["example"])
+    else:
+        with torch.no_grad():
+            for k, target in program.state_dict.items():
+                target.copy_(sd[k])
+    out = Path(folder) / "model.pt2"
+    torch.export.save(program, str(out))
+    return str(out), {"how": "again" if why else "ahead", "why": why, "finish_s": time.perf_counter() - t0}
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    reply = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # stray prints go to the log, never into the reply pipe
+    sys.stdout = sys.stderr
+    requests = sys.stdin.buffer
+    t0 = time.perf_counter()
+    import torch
+
+    torch.set_num_threads(1)
+    import torch.export._trace  # noqa: F401 - the import is most of an export's first second
+
+    from mpsrun.track.records import model_log  # noqa: F401
+
+    print(f"exporter: imports done in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+    state: dict[str, Any] | None = None
+    began_error = "the model was never handed over"
+    while True:
+        try:
+            msg = receive(requests)
+        except EOFError:
+            return 0
+        try:
+            if msg[0] == "begin":
+                state = None
+                try:
+                    state = _begin(msg[1])
+                except Exception as e:  # noqa: BLE001 - said at the end, where the run exports itself instead
+                    began_error = f"exporting ahead failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})"
+                    send(reply, (False, began_error))
+                else:
+                    send(reply, (True, {"export_s": state["export_s"]}))
+            elif msg[0] == "finish":
+                if state is None:
+                    send(reply, (False, began_error))
+                    continue
+                try:
+                    send(reply, (True, _finish(state, msg[1], msg[2])))
+                except Exception as e:  # noqa: BLE001
+                    send(reply, (False, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
+                state = None
+        except (BrokenPipeError, OSError):
+            return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The exporter process (track/helper/exporter.py): a model exported before training, the trained
+weights swapped in at the end, a model changed beyond its weights exported again, and a dead
+exporter said as such. One real exporter process serves the first two (it takes model after
+model); a second is killed. The whole-run path (the CLI, the helper, the logged model) is
+`test_startup.py::test_background_tracker_keeps_every_record[auto]`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from mpsrun.track.helper import exporter
+from mpsrun.track.records.served import ServedModel
+
+
+def _served(slope: float, seed: int) -> ServedModel:
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(12, 8), nn.LeakyReLU(slope), nn.Linear(8, 3))
+    return ServedModel(net, None).eval()
+
+
+def _pt2_answers(path: str, x: torch.Tensor) -> torch.Tensor:
+    return torch.export.load(path).module()(x)
+
+
+def test_weights_are_swapped_in_and_a_changed_model_is_exported_again(tmp_path: Path) -> None:
+    example = np.random.default_rng(0).standard_normal((5, 3, 4)).astype(np.float32)
+    x = torch.randn(7, 3, 4)  # another batch size: the batch dimension stays dynamic
+    ex = exporter.Exporter()
+    try:
+        # 1. training changed only the weights: the program exported ahead serves, with the trained weights
+        ex.begin(_served(0.01, seed=0), example)
+        trained = _served(0.01, seed=1)
+        (tmp_path / "a").mkdir()
+        pt2, info = ex.finish(trained, str(tmp_path / "a"))
+        assert info["how"] == "ahead" and info["began_s"] > 0, info
+        with torch.no_grad():
+            assert torch.equal(_pt2_answers(pt2, x), trained(x))
+            assert not torch.equal(_pt2_answers(pt2, x), _served(0.01, seed=0)(x))  # not the untrained weights
+
+        # 2. the same exporter, the next model: a plain attribute the forward reads changed (the slope)
+        ex.begin(_served(0.01, seed=0), example)
+        changed = _served(0.3, seed=2)
+        (tmp_path / "b").mkdir()
+        pt2, info = ex.finish(changed, str(tmp_path / "b"))
+        assert info["how"] == "again" and "changed beyond its weights" in info["why"], info
+        with torch.no_grad():
+            assert torch.equal(_pt2_answers(pt2, x), changed(x))
+    finally:
+        ex.close()
+    assert not Path(ex.dir).exists()
+
+
+def test_an_exporter_that_died_is_said_and_the_run_can_export_itself(tmp_path: Path) -> None:
+    ex = exporter.Exporter()
+    try:
+        ex.begin(_served(0.01, seed=0), np.zeros((2, 3, 4), np.float32))
+        ex.proc.kill()
+        ex.proc.wait()
+        with pytest.raises(exporter.ExportAheadFailed, match="exporter process ended"):
+            ex.finish(_served(0.01, seed=1), str(tmp_path))
+    finally:
+        ex.close()
+    idle = exporter.Exporter.__new__(exporter.Exporter)  # never begun (the model could not be handed over): no process asked
+    idle.begun = False
+    with pytest.raises(exporter.ExportAheadFailed, match="not handed"):
+        idle.finish(_served(0.01, seed=1), str(tmp_path))
+
+
+@pytest.mark.parametrize(("value", "cores", "want"), [("1", 2, True), ("0", 64, False), ("auto", 2, False), ("auto", 4, True)])
+def test_when_an_exporter_starts(monkeypatch: pytest.MonkeyPatch, value: str, cores: int, want: bool) -> None:
+    monkeypatch.setenv(exporter.ENV, value)
+    monkeypatch.setattr(exporter, "_cores", lambda: cores)
+    started, why = exporter.wanted()
+    assert started is want and (value in why or f"{cores} cores" in why), why
