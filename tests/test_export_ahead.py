@@ -42,14 +42,22 @@ def test_weights_are_swapped_in_and_a_changed_model_is_exported_again(tmp_path: 
             assert torch.equal(_pt2_answers(pt2, x), trained(x))
             assert not torch.equal(_pt2_answers(pt2, x), _served(0.01, seed=0)(x))  # not the untrained weights
 
-        # 2. the same exporter, the next model: a plain attribute the forward reads changed (the slope)
+        # 2. the same exporter, the next model: a plain attribute the forward reads changed (the slope);
+        # then the end-of-run figures, drawn there while the helper would write the model
         ex.begin(_served(0.01, seed=0), example)
         changed = _served(0.3, seed=2)
         (tmp_path / "b").mkdir()
-        pt2, info = ex.finish(changed, str(tmp_path / "b"))
+        history = [{"train_loss": 1.0 / (i + 1), "val_loss": 1.2 / (i + 1), "val_accuracy": 0.1 * i} for i in range(4)]
+        predictions = (np.array([0, 1, 2, 1]), np.eye(3, dtype=np.float32)[[0, 2, 2, 1]])
+        pt2, info = ex.finish(changed, str(tmp_path / "b"), (history, "a title", predictions, ["a", "b", "c"]))
         assert info["how"] == "again" and "changed beyond its weights" in info["why"], info
         with torch.no_grad():
             assert torch.equal(_pt2_answers(pt2, x), changed(x))
+        drawn = ex.figures_result()
+        assert drawn["notes"] == [] and sorted(folder + "/" + Path(f).name for f, folder in drawn["files"]) == [
+            "figures/confusion_matrix.png", "figures/learning_curves.png", "figures/per_class_accuracy.png"]
+        assert all(Path(f).read_bytes()[:4] == b"\x89PNG" for f, _ in drawn["files"])
+        assert drawn["tables"][0][1] == "tables/per_class_accuracy.json" and drawn["tables"][0][0]["correct"] == [1, 1, 1]
     finally:
         ex.close()
     assert not Path(ex.dir).exists()
@@ -63,6 +71,8 @@ def test_an_exporter_that_died_is_said_and_the_run_can_export_itself(tmp_path: P
         ex.proc.wait()
         with pytest.raises(exporter.ExportAheadFailed, match="exporter process ended"):
             ex.finish(_served(0.01, seed=1), str(tmp_path))
+        with pytest.raises(exporter.ExportAheadFailed, match="exporter process ended"):  # the figures: drawn by the helper instead
+            ex.draw(([], "t", "no predictions", None))
     finally:
         ex.close()
     idle = exporter.Exporter.__new__(exporter.Exporter)  # never begun (the model could not be handed over): no process asked

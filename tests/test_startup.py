@@ -338,6 +338,11 @@ def test_background_tracker_keeps_every_record(work, baseline, mode: str) -> Non
         ahead, here = (mlflow.pytorch.load_model(f"runs:/{r.info.run_id}/model") for r in (runs[1], runs[0]))
         x = torch.randint(0, 17, (9, 1, 8, 8), dtype=torch.uint8)
         assert torch.equal(ahead(x), here(x))
+        # the end figures, drawn by the exporter and logged by the helper: the same files as drawn in process
+        c = work.client()
+        assert [[(a.path, a.file_size > 1000) for a in c.list_artifacts(r.info.run_id, d)] for r in (runs[1], runs[0]) for d in ("figures", "tables")] == \
+            [[("figures/confusion_matrix.png", True), ("figures/learning_curves.png", True), ("figures/per_class_accuracy.png", True)],
+             [("tables/per_class_accuracy.json", False)]] * 2
     else:
         assert after["tags"]["mpsrun.model_export"] == "at the end of the run (MPSRUN_EXPORT_AHEAD=0)"
     # the same training: the data, split and weights did not change with the readers

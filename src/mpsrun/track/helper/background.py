@@ -112,6 +112,8 @@ class BackgroundTracker:
             self._remote = _Remote(uri, experiment, artifact_root)
         self._exporter: Any = None
         self._export_asked = export_ahead  # `mpsrun run` (tagged mpsrun.model_export), not a sweep's worker
+        self._figures_args: tuple | None = None  # the end figures, held for the exporter to draw after the model
+        self._drawing: Any = None  # the exporter drawing them
         self.export_why = "" if export_ahead else "no exporter process: `mpsrun run` starts one"
         if export_ahead:
             from mpsrun.track.helper import exporter
@@ -246,7 +248,13 @@ class BackgroundTracker:
         self._post("log_text", text, name)
 
     def hook_later(self, name: str, *args: Any) -> Callable[[], Any]:
-        """A record hook started now, its answer read when asked for (the helper draws while this process exports)."""
+        """A record hook started now, its answer read when asked for (the helper draws while this process exports).
+
+        With an exporter process, the end-of-run figures wait for the model: the exporter draws them
+        after the model's weights, while the helper writes the model (`_log_model_ahead`)."""
+        if name == "end_figures" and self._exporter is not None:
+            self._figures_args = args
+            return self._figures_answer
         if self._remote is not None:
             try:
                 p = self._remote.post("hook", name, *args)
@@ -297,15 +305,17 @@ class BackgroundTracker:
         try:
             with tempfile.TemporaryDirectory(prefix="mpsrun-model-") as d:
                 try:
-                    pt2, info = exporter.finish(served, d)
+                    pt2, info = exporter.finish(served, d, self._figures_args)
                 except ExportAheadFailed as e:
                     self.export_why = f"the exporter could not serve: {e}"
                     return None
+                if exporter.drawing:  # drawn there while the helper writes the model; read by `_figures_answer`
+                    self._drawing = exporter
                 outputs = model_log.example_outputs(served, example)
-                args = ("log_exported", pt2, example, outputs, str(torch.__version__), *rest)
-                out = self._call("hook", *args) if self._remote is not None else self._need().hook(*args)
+                out = self._hook_here("log_exported", pt2, example, outputs, str(torch.__version__), *rest)
         finally:
-            exporter.close()
+            if self._drawing is not exporter:
+                exporter.close()
         began = f"exported while training ({info['began_s']:.2f} s)" if info.get("began_s") is not None else "exported while training"
         if info["how"] == "ahead":
             how = f"ahead: {began} in a process of its own; the trained weights swapped in at the end (waited {exporter.waited_s:.2f} s)"
@@ -314,20 +324,35 @@ class BackgroundTracker:
         self.set_tags({"mpsrun.model_export": how})
         return out
 
+    def _figures_answer(self) -> list[str]:
+        """The end-of-run figures' notes: drawn by the exporter and logged by the helper, else drawn by the helper."""
+        from mpsrun.track.helper.exporter import ExportAheadFailed
+
+        args, self._figures_args = self._figures_args, None
+        exporter, self._drawing = self._drawing, None
+        if exporter is not None:
+            try:
+                return self._hook_here("log_drawn", exporter.figures_result())
+            except ExportAheadFailed:
+                pass  # drawn by the helper below, as without an exporter
+            finally:
+                exporter.close()
+        return self._hook_here("end_figures", *args) if args is not None else []
+
     def hook(self, name: str, *args: Any) -> Any:
         """A record hook (`track.hooks`): in the helper, a model handed over as a file (torch.save)."""
         if name == "log_model" and self._exporter is not None:
             out = self._log_model_ahead(args[0], args[1], args[2:])
             if out is not None:
                 return out
-            out = dict(self._log_model_here(name, *args))  # the exporter could not serve: exported here, said
+            out = dict(self._hook_here(name, *args))  # the exporter could not serve: exported here, said
             out["notes"] = [*out.get("notes", []), f"model: not exported ahead ({self.export_why}); exported at the end of the run instead"]
             return out
         if name == "log_model" and self._export_asked:
             self.set_tags({"mpsrun.model_export": f"at the end of the run ({self.export_why or 'no exporter process'})"})
-        return self._log_model_here(name, *args)
+        return self._hook_here(name, *args)
 
-    def _log_model_here(self, name: str, *args: Any) -> Any:
+    def _hook_here(self, name: str, *args: Any) -> Any:
         if self._remote is None:
             return self._need().hook(name, *args)
         if name != "log_model":
@@ -361,9 +386,10 @@ class BackgroundTracker:
             self._call("log_file", str(p), None)
 
     def finish(self, status: str, error: BaseException | None = None) -> None:
-        exporter, self._exporter = self._exporter, None  # a run that ended before its model was logged
-        if exporter is not None:
-            exporter.close()
+        for exporter in (self._exporter, self._drawing):  # a run that ended before its model and figures were logged
+            if exporter is not None:
+                exporter.close()
+        self._exporter = self._drawing = None
         if self._remote is None:
             self._need().finish(status, error)
             return
@@ -392,9 +418,10 @@ class BackgroundTracker:
         `wait=False` when abandoning before `start` (bad input): nothing is held, and
         the helper finishes its read-only set-up and exits on its own.
         """
-        exporter, self._exporter = self._exporter, None
-        if exporter is not None:
-            exporter.close()
+        for exporter in (self._exporter, self._drawing):
+            if exporter is not None:
+                exporter.close()
+        self._exporter = self._drawing = None
         if self._remote is not None:
             self._remote.close(wait)
 

@@ -145,31 +145,90 @@ def log_learning_curves(c: Any, run_id: str, history: Sequence[dict[str, float]]
     return LEARNING_CURVES
 
 
-def log_predictions(
-    c: Any, run_id: str, y_true: np.ndarray, outputs: np.ndarray, title: str, classes: Sequence[str] | None = None,
-    split: str = "validation",
-) -> list[str]:
-    """Figures (and a table) from the model's validation outputs; the task is read from the data.
-
-    Integer targets with one output per class: classification. Anything else: regression.
+def prediction_figures(
+    y_true: np.ndarray, outputs: np.ndarray, title: str, classes: Sequence[str] | None = None, split: str = "validation",
+) -> tuple[list[tuple[Any, str]], list[tuple[dict[str, list], str]]]:
+    """The figures (with their artifact files) and tables from the model's validation outputs; the task is
+    read from the data. Integer targets with one output per class: classification. Anything else: regression.
     """
     y_true = np.asarray(y_true)
     outputs = np.asarray(outputs)
-    logged: list[str] = []
+    figs: list[tuple[Any, str]] = []
+    tables: list[tuple[dict[str, list], str]] = []
     classification = np.issubdtype(y_true.dtype, np.integer) and outputs.ndim == 2 and outputs.shape[1] > 1
     if classification:
         n = outputs.shape[1]
         names = [str(c_) for c_ in (classes or range(n))]
         m = confusion(y_true, outputs.argmax(axis=1), n)
         acc = float(np.trace(m) / max(m.sum(), 1))
-        c.log_figure(run_id, confusion_figure(m, names, f"{title}: confusion matrix ({split}, accuracy {acc:.4f})"), "figures/confusion_matrix.png")
+        figs.append((confusion_figure(m, names, f"{title}: confusion matrix ({split}, accuracy {acc:.4f})"), "figures/confusion_matrix.png"))
         table = per_class(m, names)
-        c.log_table(run_id, data=table, artifact_file="tables/per_class_accuracy.json")
-        c.log_figure(run_id, per_class_figure(table, f"{title}: accuracy per class ({split})"), "figures/per_class_accuracy.png")
-        logged += ["figures/confusion_matrix.png", "figures/per_class_accuracy.png", "tables/per_class_accuracy.json"]
+        tables.append((table, "tables/per_class_accuracy.json"))
+        figs.append((per_class_figure(table, f"{title}: accuracy per class ({split})"), "figures/per_class_accuracy.png"))
     else:
         pred = outputs.reshape(len(y_true), -1)
         if pred.shape[1] == 1:
-            c.log_figure(run_id, scatter_figure(y_true.astype(np.float64), pred[:, 0].astype(np.float64), f"{title}: predicted vs true ({split})"), "figures/predicted_vs_true.png")
-            logged.append("figures/predicted_vs_true.png")
+            figs.append((scatter_figure(y_true.astype(np.float64), pred[:, 0].astype(np.float64), f"{title}: predicted vs true ({split})"),
+                         "figures/predicted_vs_true.png"))
+    return figs, tables
+
+
+def log_predictions(
+    c: Any, run_id: str, y_true: np.ndarray, outputs: np.ndarray, title: str, classes: Sequence[str] | None = None,
+    split: str = "validation",
+) -> list[str]:
+    """`prediction_figures` logged on the run; the artifact files written."""
+    figs, tables = prediction_figures(y_true, outputs, title, classes, split)
+    logged: list[str] = []
+    for fig, name in figs[:1]:
+        c.log_figure(run_id, fig, name)
+        logged.append(name)
+    for table, name in tables:
+        c.log_table(run_id, data=table, artifact_file=name)
+        logged.append(name)
+    for fig, name in figs[1:]:
+        c.log_figure(run_id, fig, name)
+        logged.append(name)
     return logged
+
+
+def draw_end(history: Sequence[dict[str, float]], title: str, predictions: Any, classes: Sequence[str] | None,
+             folder: str) -> dict[str, Any]:
+    """The end-of-run figures as PNG files in `folder`, without MLflow (the exporter process draws them
+    while the MLflow helper logs the model: track/helper/exporter.py); `log_drawn` logs them.
+
+    `predictions`: (y_true, outputs), or the text of the error that kept them from being computed.
+    Returns {"files": [(file, artifact_dir)], "tables": [(data, artifact_file)], "notes": [...]}.
+    """
+    import os
+
+    files: list[tuple[str, str]] = []
+    tables: list[tuple[dict[str, list], str]] = []
+
+    def save(fig: Any, name: str) -> None:
+        path = os.path.join(folder, os.path.basename(name))
+        fig.savefig(path)  # as MlflowClient.log_figure saves it
+        files.append((path, os.path.dirname(name)))
+
+    try:
+        save(learning_curves(history, title), LEARNING_CURVES)
+        if isinstance(predictions, str):
+            raise RuntimeError(predictions)
+        figs, tables = prediction_figures(predictions[0], predictions[1], title, classes)
+        for fig, name in figs:
+            save(fig, name)
+    except Exception as e:
+        return {"files": files, "tables": tables, "notes": [f"figures: not logged ({type(e).__name__}: {e})"]}
+    return {"files": files, "tables": tables, "notes": []}
+
+
+def log_drawn(c: Any, run_id: str, drawn: dict[str, Any]) -> list[str]:
+    """Log what `draw_end` drew; its notes, and any failure, as notes."""
+    try:
+        for path, folder in drawn["files"]:
+            c.log_artifact(run_id, path, folder or None)
+        for table, name in drawn["tables"]:
+            c.log_table(run_id, data=table, artifact_file=name)
+    except Exception as e:
+        return [*drawn["notes"], f"figures: not logged ({type(e).__name__}: {e})"]
+    return list(drawn["notes"])

@@ -125,6 +125,11 @@ def end_figures(t: Any, history: list[dict[str, float]], title: str, predictions
     return []
 
 
+def log_drawn(t: Any, drawn: dict[str, Any]) -> list[str]:
+    """The end-of-run figures another process drew (`figures.draw_end`): logged as artifacts; notes."""
+    return figures.log_drawn(t.c, t.run_id, drawn)
+
+
 def log_model(t: Any, served: Any, example: Any, distributions: dict[str, str], info: dict[str, Any], metadata: dict[str, Any],
               register: str | None, step: int) -> dict[str, Any]:
     """The logged (and registered) model; `served` is a `ServedModel` or the path of one saved with torch.save."""
