@@ -49,7 +49,7 @@ def test_weights_are_swapped_in_and_a_changed_model_is_exported_again(tmp_path: 
         (tmp_path / "b").mkdir()
         history = [{"train_loss": 1.0 / (i + 1), "val_loss": 1.2 / (i + 1), "val_accuracy": 0.1 * i} for i in range(4)]
         predictions = (np.array([0, 1, 2, 1]), np.eye(3, dtype=np.float32)[[0, 2, 2, 1]])
-        pt2, info = ex.finish(changed, str(tmp_path / "b"), (history, "a title", predictions, ["a", "b", "c"]))
+        pt2, info = ex.finish(changed, str(tmp_path / "b"), (history, "a title", predictions, ["a", "b", "c"], True))
         assert info["how"] == "again" and "changed beyond its weights" in info["why"], info
         with torch.no_grad():
             assert torch.equal(_pt2_answers(pt2, x), changed(x))
@@ -72,7 +72,7 @@ def test_an_exporter_that_died_is_said_and_the_run_can_export_itself(tmp_path: P
         with pytest.raises(exporter.ExportAheadFailed, match="exporter process ended"):
             ex.finish(_served(0.01, seed=1), str(tmp_path))
         with pytest.raises(exporter.ExportAheadFailed, match="exporter process ended"):  # the figures: drawn by the helper instead
-            ex.draw(([], "t", "no predictions", None))
+            ex.draw(([], "t", "no predictions", None, True))
     finally:
         ex.close()
     idle = exporter.Exporter.__new__(exporter.Exporter)  # never begun (the model could not be handed over): no process asked

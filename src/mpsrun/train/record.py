@@ -177,10 +177,11 @@ def begin(tracker: "Tracker", setup: "Setup", system_metrics: bool = True) -> Re
     tags = {"mpsrun.plugin": f"{ref.distribution} {ref.version} ({ref.value})" if ref else r.dataset.name,
             "mpsrun.arguments": json.dumps(r.dataset.kwargs, default=str)}
     args = (str(setup.resolved.path), r.dataset.name, splits, _source_path(setup), tags, system_metrics, setup.choice.device.type, key)
-    if sweep_trial:
-        # A sweep's trial (one helper for run after run): the dataset inputs are written while the trial trains
-        # (MLflow's digest of 60,000 images is a quarter of a second in the helper); the answer is read before
-        # the run ends, and the helper writes in order, so every record is in before the run's status.
+    if hasattr(type(tracker), "hook_later"):
+        # With the helper (a sweep's trial, or `mpsrun run`): the dataset inputs are written while the run trains
+        # (MLflow's digest of 60,000 images is a quarter of a second in the helper, which this process used to
+        # wait for before its canary); the answer is read before the run ends, and the helper writes in order,
+        # so every record is in before the run's status.
         answer = tracker.hook_later("begin", *args)
 
         def begun() -> None:

@@ -98,8 +98,8 @@ class Exporter:
     def finish(self, served: Any, folder: str, figures: tuple | None = None) -> tuple[str, dict[str, Any]]:
         """The trained model's pt2 file in `folder`, and how it was made; raises ExportAheadFailed.
 
-        `figures`: the end-of-run figures' arguments (`figures.draw_end`'s first four): the exporter
-        draws them next, while the MLflow helper logs the model; `figures_result` reads them.
+        `figures`: the end-of-run figures' arguments (as `draw` takes them): the exporter draws them
+        next, while the MLflow helper logs the model; `figures_result` reads them.
         """
         import torch
 
@@ -123,7 +123,8 @@ class Exporter:
         return pt2, info
 
     def draw(self, figures: tuple) -> None:
-        """Ask for the end-of-run figures (`figures.draw_end`'s arguments but the folder); `figures_result` reads them."""
+        """Ask for the end-of-run figures (`figures.draw_end`'s arguments but the folder: history, title, predictions,
+        classes, curves); `figures_result` reads them."""
         path = os.path.join(self.dir, "figures.pkl")
         with open(path, "wb") as f:
             pickle.dump(figures, f, protocol=pickle.HIGHEST_PROTOCOL)
@@ -240,8 +241,8 @@ def _figures(path: str, folder: str) -> dict[str, Any]:
     from mpsrun.track.records import figures
 
     with open(path, "rb") as f:
-        history, title, predictions, classes = pickle.load(f)
-    return figures.draw_end(history, title, predictions, classes, folder)
+        history, title, predictions, classes, curves = pickle.load(f)
+    return figures.draw_end(history, title, predictions, classes, folder, curves)
 
 
 def _finish(state: dict[str, Any], path: str, folder: str) -> tuple[str, dict[str, Any]]:

@@ -193,11 +193,12 @@ def log_predictions(
 
 
 def draw_end(history: Sequence[dict[str, float]], title: str, predictions: Any, classes: Sequence[str] | None,
-             folder: str) -> dict[str, Any]:
+             folder: str, curves: bool = True) -> dict[str, Any]:
     """The end-of-run figures as PNG files in `folder`, without MLflow (the exporter process draws them
     while the MLflow helper logs the model: track/helper/exporter.py); `log_drawn` logs them.
 
     `predictions`: (y_true, outputs), or the text of the error that kept them from being computed.
+    `curves=False`: the learning curves are drawn elsewhere (by the helper, once it has written the model).
     Returns {"files": [(file, artifact_dir)], "tables": [(data, artifact_file)], "notes": [...]}.
     """
     import os
@@ -211,7 +212,8 @@ def draw_end(history: Sequence[dict[str, float]], title: str, predictions: Any, 
         files.append((path, os.path.dirname(name)))
 
     try:
-        save(learning_curves(history, title), LEARNING_CURVES)
+        if curves:
+            save(learning_curves(history, title), LEARNING_CURVES)
         if isinstance(predictions, str):
             raise RuntimeError(predictions)
         figs, tables = prediction_figures(predictions[0], predictions[1], title, classes)
