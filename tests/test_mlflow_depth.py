@@ -136,6 +136,31 @@ def test_dataset_inputs_with_context_digest_and_schema(trained) -> None:
     assert json.loads(inputs["validation"].profile)["features_shape"] == [360, 1, 8, 8]
 
 
+@pytest.mark.parametrize("shape", [(1437, 1, 8, 8), (3000, 28, 28), (50, 10)])
+def test_a_head_sent_to_the_helper_gives_the_dataset_input_of_the_whole_array(shape: tuple[int, ...]) -> None:
+    """The training process sends the helper the first values of a large split (`datasets.Head`), not
+    the split: MLflow's digest, profile and schema must be those of the whole array."""
+    import mlflow.data
+    import numpy as np
+    import torch
+
+    from mpsrun.track.records.datasets import Head
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 255, shape, dtype=np.uint8)
+    y = rng.integers(0, 10, shape[0])
+    whole = mlflow.data.from_numpy(x, targets=y, name="d")
+    for sent in (Head.of(x), Head.of(torch.from_numpy(x))):
+        assert isinstance(sent, Head) == (x.size > 40_000)
+        stand_in = sent.expand() if isinstance(sent, Head) else sent
+        ds = mlflow.data.from_numpy(stand_in, targets=y, name="d")
+        assert (ds.digest, ds.profile, ds.schema) == (whole.digest, whole.profile, whole.schema)
+    changed = x.copy()
+    changed.reshape(-1)[5] ^= 1  # a change within the hashed values: another digest
+    sent = Head.of(changed)
+    assert mlflow.data.from_numpy(sent.expand() if isinstance(sent, Head) else sent, targets=y, name="d").digest != whole.digest
+
+
 def test_system_metrics_apart_and_bookkeeping_in_one_artifact(trained) -> None:
     work, run = trained
     keys = set(run.data.metrics)

@@ -100,7 +100,7 @@ def _splits(setup: "Setup") -> tuple[list[track_datasets.Split], list[str]]:
             keep = max(1, INPUT_SAMPLE_BYTES // row)
             skipped.append(f"{context}:sample:{keep}:{len(x)}")
             x, y = x[:keep], y[:keep]
-        out.append(track_datasets.Split(context, _host(x), _host(y)))
+        out.append(track_datasets.Split(context, track_datasets.Head.of(x), _host(y)))
     return out, skipped
 
 

@@ -11,7 +11,6 @@ import copy
 
 import inspect
 import json
-import os
 import random
 import sys
 import time
@@ -24,6 +23,7 @@ from torch import nn
 
 from mpsrun.devices import canary
 from mpsrun.devices import resolve as devices
+from mpsrun.devices import host
 from mpsrun.plugins import registry as plugins
 from mpsrun.plugins.contract import DataSplits
 from mpsrun.recipe.load import Resolved, flatten
@@ -303,16 +303,16 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
     if tracker is None:
         uri, artifact_root = tracking.resolve_uri(tracking_uri)
         tracker = job_run.tracker(uri, experiment or experiment_name(setup.resolved), artifact_root)  # rank 0 alone writes
-    phases = {"prepared": _since_start()}  # where a short run's wall time goes (mpsrun_timings.json)
+    phases = {"prepared": host.since_start()}  # where a short run's wall time goes (mpsrun_timings.json)
     record.model_ahead(tracker, setup)  # the exporter process (if any) exports while the run opens and trains
     try:
         info, all_tags, generation = _open_run(setup, tracker, parent_run_id, tags, resume)
     except OwnerConflict:  # another live process owns the run: nothing written, nothing to mark
         getattr(tracker, "close", lambda wait=True: None)(wait=False)
         raise
-    phases["run_opened"] = _since_start()
+    phases["run_opened"] = host.since_start()
     rec = record.open_for(tracker, setup)  # experiment kind, standard tags, datasets, system metrics
-    phases["records_begun"] = _since_start()
+    phases["records_begun"] = host.since_start()
     shown = ShownAfterRecord(listener)  # an epoch's line is printed once its metrics and checkpoint are handed over
     listeners = _listeners(setup, tracker, shown, resume, rec)
     keep = Continuity(setup, tracker, all_tags, listeners.on_note, resume)  # liveness, non-finite guard, checkpoints
@@ -322,16 +322,16 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
     state.extras.update(setup.extras)  # the LR scheduler: checkpoints save and restore it
     try:
         canary.guard(setup, tracker.set_tags, listeners.on_note)  # wrong-answer ops stop the run here
-        phases["canary_done"] = _since_start()
+        phases["canary_done"] = host.since_start()
         result = train(setup.model, setup.optimizer, setup.plan, setup.choice.device, recipe.epochs, setup.options, listeners,
                        callbacks=Callbacks(keep.callbacks([*setup.callbacks, *record.callbacks(rec)]), shown.as_callback()), state=state,
                        start_epoch=keep.start_epoch, objective=setup.objective)
         keep.after_fit(state, setup.model)  # model_from: best puts the best weights back before they are logged
-        phases["trained"] = _since_start()
+        phases["trained"] = host.since_start()
         t_test = time.perf_counter()
         test_metrics = _test(setup, tracker)  # after that: on the weights that are logged
         rec.timings["test_eval_time_s"] = time.perf_counter() - t_test
-        phases["tested"] = _since_start()
+        phases["tested"] = host.since_start()
         if all(v is not None for v in phases.values()):
             rec.timings["since_process_start_s"] = phases  # type: ignore[assignment]
         _close_records(setup, tracker, rec, result, listeners, keep.bookkeeping)
@@ -357,16 +357,6 @@ def execute(setup: Setup, tracking_uri: str | None, listener: Listener | None = 
     tracker.finish("FINISHED")
     model_uri = rec.model.registered or rec.model.model_uri if rec.model else None
     return RunSummary(info, result, setup, tracker.log_time_s, model_uri, test_metrics)
-
-
-def _since_start() -> float | None:
-    """Seconds since this process started (Linux: /proc; elsewhere None), to 10 ms."""
-    try:
-        with open("/proc/self/stat") as f:
-            after_name = f.read().rsplit(")", 1)[1].split()
-        return round(time.clock_gettime(time.CLOCK_BOOTTIME) - int(after_name[19]) / os.sysconf("SC_CLK_TCK"), 3)
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
 
 
 def _open_run(setup: Setup, tracker: Any, parent_run_id: str | None, tags: dict[str, str] | None, resume: ResumePoint | None) -> tuple[tracking.RunInfo, dict[str, str], int | None]:

@@ -33,10 +33,12 @@ same timestamp: MLflow keeps one copy of an identical metric), says so in a note
 
 from __future__ import annotations
 
+import inspect
 import os
 import platform
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,6 +47,11 @@ from mpsrun.track.helper.pipe import _HelperGone, _Remote, _RemoteError
 
 ENV_MODE = "MPSRUN_MLFLOW_HELPER"
 MODES = ("auto", "process", "thread", "inline")
+
+
+def _tracker_method(name: str) -> bool:
+    """Whether `name` is a plain method of the helper's `store.Tracker` (known here, without asking it)."""
+    return isinstance(inspect.getattr_static(store.Tracker, name, None), types.FunctionType)
 
 
 class TrackingSetupError(Exception):
@@ -115,6 +122,7 @@ class BackgroundTracker:
         self._figures_args: tuple | None = None  # the end figures, held for the exporter to draw after the model
         self._drawing: Any = None  # the exporter drawing them
         self._curves: Any = None  # the helper's answer for the learning curves it draws meanwhile
+        self._artifact_uri: str | None = None  # the run's, read once at `start`
         self.export_why = "" if export_ahead else "no exporter process: `mpsrun run` starts one"
         if export_ahead:
             from mpsrun.track.helper import exporter
@@ -197,6 +205,7 @@ class BackgroundTracker:
     # -- the Tracker surface the runner uses; anything else is forwarded by __getattr__
     def start(self, run_name: str | None, tags: dict[str, str], parent_run_id: str | None = None) -> store.RunInfo:
         self._journal, self._handoff_s, self._final, self._run_id = [], 0.0, None, None  # a run of its own (keep_open: not the first)
+        self._artifact_uri = None
         tags = {**tags, "mpsrun.mlflow_helper": f"{self.mode} ({self.mode_reason})"}
         self._tags = tags
         tracker = self._ready()
@@ -216,6 +225,10 @@ class BackgroundTracker:
             self.setup_wait_s += time.perf_counter() - t
             self.wait_s += time.perf_counter() - t
         self._run_id = info.run_id
+        try:  # asked now, while nothing is queued before it (checkpoints are written there)
+            self._artifact_uri = self._remote.kind("artifact_uri")[1]
+        except _RemoteError:
+            self._artifact_uri = None
         return info
 
     @property
@@ -454,6 +467,12 @@ class BackgroundTracker:
             return self._client
         if self._final is not None and name in self._final:
             return self._final[name]
+        if name == "artifact_uri" and self._artifact_uri is not None:
+            return self._artifact_uri
+        if _tracker_method(name):  # no round trip to ask: it would wait for every call posted before (a dataset's digest)
+            if name == "attach":  # another run: its artifact URI is asked again
+                self._artifact_uri = None
+            return lambda *a: self._call(name, *a)
         try:
             kind = self._remote.kind(name)
         except _HelperGone as e:

@@ -23,7 +23,41 @@ class Split:
     targets: Any
 
 
+DIGEST_VALUES = 10_000  # mlflow.data.digest_utils.MAX_ROWS: the digest reads this many values of the flattened array
+
+
+@dataclass
+class Head:
+    """The first values of a large array and its shape and dtype: all that MLflow's dataset input reads
+    (its digest hashes the first 10,000 values of the flattened array and the shape; its profile and
+    schema are shape, size, bytes and dtype). Sent to the helper instead of 50 MB of images, which the
+    training process spent a sixth of a second pickling into the pipe before its first step."""
+
+    values: np.ndarray  # the flattened array's first values (at least DIGEST_VALUES of them)
+    shape: tuple[int, ...]
+
+    @staticmethod
+    def of(a: Any) -> "np.ndarray | Head":
+        """A Head of a large array or tensor (its first values copied to the host, not the rest); small ones whole."""
+        if hasattr(a, "detach"):  # a tensor (duck-typed: the helper never imports torch)
+            if a.numel() <= 4 * DIGEST_VALUES:
+                return _numpy(a)
+            return Head(_numpy(a.reshape(-1)[:DIGEST_VALUES]).copy(), tuple(a.shape))
+        a = np.asarray(a)
+        if a.dtype == object or a.size <= 4 * DIGEST_VALUES:
+            return a
+        return Head(np.ascontiguousarray(a).reshape(-1)[:DIGEST_VALUES].copy(), tuple(a.shape))
+
+    def expand(self) -> np.ndarray:
+        """An array of the real shape and dtype whose first values are the real ones (the rest zeros, never read)."""
+        out = np.zeros(self.shape, dtype=self.values.dtype)
+        out.reshape(-1)[: self.values.size] = self.values
+        return out
+
+
 def _numpy(a: Any) -> np.ndarray:
+    if isinstance(a, Head):
+        return a.expand()
     if hasattr(a, "detach"):
         a = a.detach().to("cpu").numpy()
     return np.asarray(a)
