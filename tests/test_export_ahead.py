@@ -87,3 +87,33 @@ def test_when_an_exporter_starts(monkeypatch: pytest.MonkeyPatch, value: str, co
     monkeypatch.setattr(exporter, "_cores", lambda: cores)
     started, why = exporter.wanted()
     assert started is want and (value in why or f"{cores} cores" in why), why
+
+
+def test_a_run_whose_exporter_dies_logs_its_model_and_figures_and_says_so(work, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """The exporter killed (SIGKILL) after the model was handed over: the run exports in its own process,
+    the helper draws the figures, nothing is missing, and the run's notes and tag say what happened."""
+    from mpsrun.plugins import resolve
+    from mpsrun.track.helper import background
+    from mpsrun.train import record, runner
+
+    from .conftest import RECIPES
+
+    monkeypatch.setenv(exporter.ENV, "1")
+    handed = record.model_ahead
+
+    def then_killed(tracker, setup):  # type: ignore[no-untyped-def]
+        handed(tracker, setup)
+        tracker._exporter.proc.kill()
+
+    monkeypatch.setattr(record, "model_ahead", then_killed)
+    tracker = background.start(work.uri, "dies", mode="inline", export_ahead=True)
+    runner.execute(runner.prepare(resolve(RECIPES / "digits_mlp.yaml", ["epochs=2", "device=cpu"])), work.uri, tracker=tracker)
+    (run,) = work.runs("dies")
+    tags = run.data.tags
+    assert run.info.status == "FINISHED"
+    assert "model: not exported ahead (the exporter could not serve: the exporter process ended" in tags["mpsrun.notes"], tags["mpsrun.notes"]
+    assert tags["mpsrun.model_export"].startswith("at the end of the run (the exporter could not serve"), tags["mpsrun.model_export"]
+    c = work.client()
+    assert sorted(a.path for a in c.list_artifacts(run.info.run_id, "figures")) == [
+        "figures/confusion_matrix.png", "figures/learning_curves.png", "figures/per_class_accuracy.png"]
+    assert tags["mpsrun.model_uri"].endswith("/model") and "pickle" not in tags["mpsrun.notes"]  # exported (pt2) by the run itself

@@ -373,6 +373,7 @@ class BackgroundTracker:
                 return out
             out = dict(self._hook_here(name, *args))  # the exporter could not serve: exported here, said
             out["notes"] = [*out.get("notes", []), f"model: not exported ahead ({self.export_why}); exported at the end of the run instead"]
+            self.set_tags({"mpsrun.model_export": f"at the end of the run ({self.export_why})"})
             return out
         if name == "log_model" and self._export_asked:
             self.set_tags({"mpsrun.model_export": f"at the end of the run ({self.export_why or 'no exporter process'})"})
