@@ -117,3 +117,21 @@ def test_a_run_whose_exporter_dies_logs_its_model_and_figures_and_says_so(work, 
     assert sorted(a.path for a in c.list_artifacts(run.info.run_id, "figures")) == [
         "figures/confusion_matrix.png", "figures/learning_curves.png", "figures/per_class_accuracy.png"]
     assert tags["mpsrun.model_uri"].endswith("/model") and "pickle" not in tags["mpsrun.notes"]  # exported (pt2) by the run itself
+
+
+def test_a_model_above_the_limit_is_not_handed_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mpsrun.track.helper import background
+
+    monkeypatch.setenv(exporter.ENV, "1")
+    monkeypatch.setenv(exporter.MAX_ENV, "2")
+    tracker = background.start(f"sqlite:///{tmp_path}/mlflow.db", "big", mode="inline", export_ahead=True)
+    started = tracker._exporter
+    assert started is not None
+
+    def never() -> tuple:
+        raise AssertionError("a model above the limit is not copied")
+
+    tracker.model_ahead(never, nbytes=3 * 2**20)
+    assert tracker._exporter is None and started.proc.poll() is not None
+    assert tracker.export_why == "the model's 3 MiB is above 2 MiB (MPSRUN_EXPORT_AHEAD_MAX_MB)"
+    tracker.close()

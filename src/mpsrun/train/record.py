@@ -297,7 +297,8 @@ def model_ahead(tracker: Any, setup: "Setup") -> None:
     """Before training: hand the untrained model to the tracker's exporter process, where it has one
     (`track/helper/exporter.py`: the export is done by the time training ends; the weights come then)."""
     if hasattr(type(tracker), "model_ahead") and setup.resolved.recipe.tracking.log_model and distributed.is_main_process():
-        tracker.model_ahead(lambda: (model_log.served_copy(setup.model, setup.plan.transform), _host(_example(setup))))
+        size = sum(t.numel() * t.element_size() for t in (*setup.model.parameters(), *setup.model.buffers()))
+        tracker.model_ahead(lambda: (model_log.served_copy(setup.model, setup.plan.transform), _host(_example(setup))), size)
 
 
 def _log_model(rec: Recorder, result: "TrainResult") -> None:

@@ -295,10 +295,19 @@ class BackgroundTracker:
             return self._need().handoff_time_s
         return self._handoff_s + (self._tracker.handoff_time_s if self._tracker is not None else 0.0)
 
-    def model_ahead(self, make: Callable[[], tuple[Any, Any]]) -> None:
+    def model_ahead(self, make: Callable[[], tuple[Any, Any]], nbytes: int = 0) -> None:
         """Hand the exporter process the untrained model (`make()`: a CPU served copy and the input
-        example) so that it exports while the run trains; nothing without an exporter."""
+        example) so that it exports while the run trains; nothing without an exporter.
+
+        `nbytes`: the model's parameters and buffers. Above the exporter's limit the copy (written to a
+        file before training) would cost the start more than the export costs the end: not handed over."""
         if self._exporter is None:
+            return
+        from mpsrun.track.helper.exporter import max_bytes
+
+        if nbytes > max_bytes():
+            self._exporter.close()
+            self._exporter, self.export_why = None, f"the model's {nbytes / 2**20:,.0f} MiB is above {max_bytes() / 2**20:,.0f} MiB (MPSRUN_EXPORT_AHEAD_MAX_MB)"
             return
         try:
             self._exporter.begin(*make())

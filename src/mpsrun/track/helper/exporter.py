@@ -45,6 +45,17 @@ WAIT_ENV = "MPSRUN_EXPORT_AHEAD_WAIT_S"  # the most the end of a run waits for t
 MIN_CORES = 4
 
 
+MAX_ENV = "MPSRUN_EXPORT_AHEAD_MAX_MB"  # larger models are exported at the end (default 1024)
+
+
+def max_bytes() -> int:
+    """The largest model (parameters and buffers) handed to the exporter before training."""
+    try:
+        return int(float(os.environ.get(MAX_ENV, "1024")) * 2**20)
+    except ValueError:
+        return 1024 * 2**20
+
+
 class ExportAheadFailed(Exception):
     """The exporter could not give the pt2 file: the run exports in its own process instead."""
 
