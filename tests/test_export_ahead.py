@@ -58,9 +58,13 @@ def test_weights_are_swapped_in_and_a_changed_model_is_exported_again(tmp_path: 
             "figures/confusion_matrix.png", "figures/learning_curves.png", "figures/per_class_accuracy.png"]
         assert all(Path(f).read_bytes()[:4] == b"\x89PNG" for f, _ in drawn["files"])
         assert drawn["tables"][0][1] == "tables/per_class_accuracy.json" and drawn["tables"][0][0]["correct"] == [1, 1, 1]
+        # 3. the training process gone without closing it (as after a SIGKILL): the exporter ends, its files removed
+        assert Path(ex.dir, "begin.pt").exists()
+        ex.proc.stdin.close()  # type: ignore[union-attr]
+        assert ex.proc.wait(timeout=60) == 0
+        assert not Path(ex.dir).exists()
     finally:
         ex.close()
-    assert not Path(ex.dir).exists()
 
 
 def test_an_exporter_that_died_is_said_and_the_run_can_export_itself(tmp_path: Path) -> None:

@@ -298,11 +298,15 @@ def main() -> int:
     print(f"exporter: imports done in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
     state: dict[str, Any] | None = None
     began_error = "the model was never handed over"
+    folder = ""  # the training process's folder for this exporter: removed here if that process dies first
     while True:
         try:
             msg = receive(requests)
-        except EOFError:
+        except EOFError:  # the training process ended; a killed one could not remove the model copy it wrote
+            if os.path.basename(folder).startswith("mpsrun-export-"):
+                shutil.rmtree(folder, ignore_errors=True)
             return 0
+        folder = os.path.dirname(msg[1])
         try:
             if msg[0] == "begin":
                 state = None
