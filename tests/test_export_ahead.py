@@ -85,12 +85,14 @@ def test_an_exporter_that_died_is_said_and_the_run_can_export_itself(tmp_path: P
         idle.finish(_served(0.01, seed=1), str(tmp_path))
 
 
-@pytest.mark.parametrize(("value", "cores", "want"), [("1", 2, True), ("0", 64, False), ("auto", 2, False), ("auto", 4, True)])
-def test_when_an_exporter_starts(monkeypatch: pytest.MonkeyPatch, value: str, cores: int, want: bool) -> None:
+@pytest.mark.parametrize(("value", "cores", "gpu", "want"), [("1", 2, False, True), ("0", 64, True, False), ("auto", 2, True, False),
+                                                            ("auto", 4, True, True), ("auto", 4, False, False), ("auto", 8, False, True)])
+def test_when_an_exporter_starts(monkeypatch: pytest.MonkeyPatch, value: str, cores: int, gpu: bool, want: bool) -> None:
     monkeypatch.setenv(exporter.ENV, value)
     monkeypatch.setattr(exporter, "_cores", lambda: cores)
-    started, why = exporter.wanted()
+    started, why = exporter.wanted(accelerator=gpu)
     assert started is want and (value in why or f"{cores} cores" in why), why
+    assert ("for a CPU run" in why) == (value == "auto" and not gpu), why
 
 
 def test_a_run_whose_exporter_dies_logs_its_model_and_figures_and_says_so(work, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]

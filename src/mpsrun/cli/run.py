@@ -61,7 +61,7 @@ def run(
         uri, artifact_root = store.resolve_uri(tracking_uri)
         try:
             tracker = background.start(uri, resolved.recipe.tracking.experiment or resolved.path.stem, artifact_root, device=resolved.recipe.device,
-                                       export_ahead=resolved.recipe.tracking.log_model)
+                                       export_ahead=resolved.recipe.tracking.log_model, accelerator=_likely_accelerator(resolved.recipe.device))
         except background.TrackingSetupError as e:
             raise bad_input(str(e)) from None
     from mpsrun.train import runner
@@ -135,6 +135,19 @@ def run(
     console.print(f"MLflow: {summary.run.ui_hint()}  (browse: mpsrun ui)", highlight=False)
     if summary.model_uri:
         console.print(f"model: {summary.model_uri}  (evaluate: mpsrun eval {summary.run.run_id})", highlight=False)
+
+
+def _likely_accelerator(device: str | None) -> bool:
+    """Whether the recipe's device will likely be a GPU, known before torch is imported (the exporter
+    process wants fewer cores then): a CUDA or MPS device, or `auto` where the NVIDIA driver lists a
+    GPU or on macOS (MPS)."""
+    from mpsrun.plugins.nvidia import visible_gpus
+    from mpsrun.track.helper.background import may_run_on_mps
+
+    kind = (device or "auto").split(":")[0]
+    if kind in ("cuda", "mps"):
+        return True
+    return kind == "auto" and (bool(visible_gpus()) or may_run_on_mps(device))
 
 
 def _other_rank(setup, tracking_uri: Optional[str]) -> None:  # type: ignore[no-untyped-def]

@@ -74,15 +74,15 @@ def may_run_on_mps(device: str | None) -> bool:
 
 
 def start(uri: str, experiment: str, artifact_root: str | None = None, mode: str | None = None, device: str | None = None,
-          keep_open: bool = False, export_ahead: bool = False) -> "BackgroundTracker":
+          keep_open: bool = False, export_ahead: bool = False, accelerator: bool = True) -> "BackgroundTracker":
     """Begin MLflow set-up now (import, client, store checks, experiment look-up); returns at once.
 
     `device`: the recipe's; auto mode keeps the tracker in this process where it may be MPS.
     `keep_open`: runs one after another (`close()` when done), as a sweep's worker does.
     `export_ahead`: the run logs a model: start the exporter process too, where it pays
-    (track/helper/exporter.py).
+    (track/helper/exporter.py); `accelerator`: the run will likely train on a GPU.
     """
-    return BackgroundTracker(uri, experiment, artifact_root, mode, device, keep_open, export_ahead)
+    return BackgroundTracker(uri, experiment, artifact_root, mode, device, keep_open, export_ahead, accelerator)
 
 
 class BackgroundTracker:
@@ -93,7 +93,7 @@ class BackgroundTracker:
     """
 
     def __init__(self, uri: str, experiment: str, artifact_root: str | None = None, mode: str | None = None, device: str | None = None,
-                 keep_open: bool = False, export_ahead: bool = False) -> None:
+                 keep_open: bool = False, export_ahead: bool = False, accelerator: bool = True) -> None:
         self.uri, self.experiment, self.artifact_root = uri, experiment, artifact_root
         self.keep_open = keep_open  # one run after another in the same helper (a sweep's worker): `finish` leaves it running
         self.mode, self.mode_reason = choose_mode(mode)
@@ -127,7 +127,7 @@ class BackgroundTracker:
         if export_ahead:
             from mpsrun.track.helper import exporter
 
-            wanted, self.export_why = exporter.wanted()
+            wanted, self.export_why = exporter.wanted(accelerator)
             if wanted:
                 try:
                     self._exporter = exporter.Exporter()

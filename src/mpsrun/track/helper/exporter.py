@@ -20,9 +20,10 @@ unpickle there, the exporter died or is too slow) sends the run back to exportin
 its own process, said in the run's notes. Which path served is tagged
 (`mpsrun.model_export`).
 
-Default (`MPSRUN_EXPORT_AHEAD=auto`): on with 4 or more usable cores. On two cores a
-third process importing torch beside the training process and the MLflow helper slows
-the start of the run more than the export costs at its end.
+Default (`MPSRUN_EXPORT_AHEAD=auto`): on with 4 or more usable cores for a run on a GPU,
+8 for one on the CPU. On two cores a third process importing torch beside the training
+process and the MLflow helper slows the start of the run more than the export costs at its
+end; on the CPU its work shares the training's cores.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from mpsrun.track.helper.pipe import decode, read_exact, receive, send
 
 ENV = "MPSRUN_EXPORT_AHEAD"  # auto | 1 | 0
 WAIT_ENV = "MPSRUN_EXPORT_AHEAD_WAIT_S"  # the most the end of a run waits for the exporter (default 300)
-MIN_CORES = 4
+MIN_CORES = 4  # a run on a GPU
+MIN_CORES_CPU = 8  # a run on the CPU
 
 
 MAX_ENV = "MPSRUN_EXPORT_AHEAD_MAX_MB"  # larger models are exported at the end (default 1024)
@@ -67,17 +69,24 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def wanted() -> tuple[bool, str]:
-    """(start an exporter?, why), from $MPSRUN_EXPORT_AHEAD and the usable cores."""
+def wanted(accelerator: bool = True) -> tuple[bool, str]:
+    """(start an exporter?, why), from $MPSRUN_EXPORT_AHEAD, the usable cores and where the run trains.
+
+    `accelerator`: the run will likely train on a GPU (its recipe's device, read before torch is
+    imported). A CPU run needs more cores: there the exporter's second of work shares the cores the
+    training's own threads use, and the epoch times it reports should stay the training's own.
+    """
     raw = os.environ.get(ENV, "auto").strip().lower()
     if raw in ("1", "on", "true", "yes"):
         return True, f"{ENV}={raw}"
     if raw in ("0", "off", "false", "no"):
         return False, f"{ENV}={raw}"
-    cores = _cores()
-    if cores >= MIN_CORES:
-        return True, f"auto: {cores} cores"
-    return False, f"auto: {cores} cores (a third process importing torch would slow the run's start more than it saves at the end; {ENV}=1 forces it)"
+    cores, need = _cores(), MIN_CORES if accelerator else MIN_CORES_CPU
+    where = "" if accelerator else " for a CPU run"
+    if cores >= need:
+        return True, f"auto: {cores} cores{where}"
+    return False, (f"auto: {cores} cores{where}, fewer than {need} (a third process importing torch would slow the run's "
+                   f"start more than it saves at the end; {ENV}=1 forces it)")
 
 
 class Exporter:
