@@ -422,10 +422,7 @@ class BackgroundTracker:
             self._call("log_file", str(p), None)
 
     def finish(self, status: str, error: BaseException | None = None) -> None:
-        for exporter in (self._exporter, self._drawing):  # a run that ended before its model and figures were logged
-            if exporter is not None:
-                exporter.close()
-        self._exporter = self._drawing = None
+        self._close_exporter()  # a run that ended before its model and figures were logged
         if self._remote is None:
             self._need().finish(status, error)
             return
@@ -454,12 +451,15 @@ class BackgroundTracker:
         `wait=False` when abandoning before `start` (bad input): nothing is held, and
         the helper finishes its read-only set-up and exits on its own.
         """
+        self._close_exporter()
+        if self._remote is not None:
+            self._remote.close(wait)
+
+    def _close_exporter(self) -> None:
         for exporter in (self._exporter, self._drawing):
             if exporter is not None:
                 exporter.close()
         self._exporter = self._drawing = None
-        if self._remote is not None:
-            self._remote.close(wait)
 
     def _need(self) -> store.Tracker:
         tracker = self._ready()
