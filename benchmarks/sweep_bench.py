@@ -80,6 +80,7 @@ sweep:
 
 
 TRACES: dict[str, str] = {}  # label -> the sweep's output, when --trace is given
+STARTED: dict[str, tuple[float, float]] = {}  # label -> the command's (start, end) on the wall clock
 
 
 def timed(args: list[str], cwd: Path, trace: str | None = None) -> float:
@@ -87,13 +88,14 @@ def timed(args: list[str], cwd: Path, trace: str | None = None) -> float:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     if trace is not None:
         env["MPSRUN_SWEEP_TRACE"] = "1"
-    t0 = time.perf_counter()
+    t0, w0 = time.perf_counter(), time.time()
     p = subprocess.run([sys.executable, "-m", "mpsrun", *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         sys.exit(f"`mpsrun {' '.join(args)}` exited {p.returncode}:\n{p.stdout[-4000:]}")
     if trace is not None:
         TRACES[trace] = p.stdout
+        STARTED[trace] = (w0, time.time())
     return wall
 
 
@@ -122,6 +124,34 @@ def breakdown(label: str, text: str) -> list[str]:
         if group:
             mean = {k: sum(d.get(k, 0.0) for d in group) / len(group) for k in PHASES}
             rows.append(f"| {what} | " + " | ".join(f"{mean[k]:.3f}" for k in PHASES) + " |")
+    return rows
+
+
+def timeline(label: str, text: str) -> list[str]:
+    """Each worker on the command's clock: when it was ready, its first trial's end, its last trial's end.
+
+    Why: the mean phases say what a trial costs, not where the sweep's wall time went (a late worker,
+    a slow first trial, the end after the last trial); the trace lines' `at` stamps say that.
+    """
+    t0, t1 = STARTED.get(label, (0.0, 0.0))
+    ends: dict[str, list[float]] = {}
+    ready: dict[str, float] = {}
+    for line in text.splitlines():
+        fields = dict(f.split("=", 1) for f in line.split()[1:] if "=" in f)
+        if "at" not in fields:
+            continue
+        w = fields.get("worker", "?")
+        if line.startswith("sweep-trace "):
+            ends.setdefault(w, []).append(float(fields["at"]) - t0)
+        elif line.startswith("sweep-trace-total "):
+            ready[w] = float(fields["at"]) - t0 - float(fields.get("loop", 0))
+    rows = []
+    share = [line.split(" ", 1)[1] for line in text.splitlines() if line.startswith("sweep-trace-share ")]
+    if share:  # the private NVIDIA MPS daemon's start (or the attempt), before the extra workers were launched
+        label = f"{label} ({share[0]})"
+    for w in sorted(ends):
+        e = sorted(ends[w])
+        rows.append(f"| {label} | w{w} | {ready.get(w, float('nan')):.1f} | {e[0]:.1f} | {len(e)} | {e[-1]:.1f} | {t1 - t0:.1f} |")
     return rows
 
 
@@ -160,19 +190,22 @@ def fashion(root: Path, trials: int, epochs: int, batch: int | None) -> str:
                           batch_param="" if batch else "    batch_size: [128, 256, 512]\n")
 
 
-def cuda(base: Path, trials: int, workers: list[int], trace: bool = False, epochs: int = 2, batch: int | None = None) -> list[tuple[str, float, str]]:
+def cuda(base: Path, trials: int, workers: list[str], trace: bool = False, epochs: int = 2, batch: int | None = None) -> list[tuple[str, float, str]]:
     from mpsrun.testing.idx import write_idx_dataset
 
     data = base / "data"
     write_idx_dataset(data, "FashionMNIST", n_train=60000, n_test=10000, seed=0)
     rows: list[tuple[str, float, str]] = []
     first = None
-    for n in workers:
-        d, recipe = folder(base, f"fashion_w{n}", fashion(data, trials, epochs, batch))
+    for i, spec in enumerate(workers):
+        n, _, sharing = spec.partition(":")  # "4:time-slicing": --workers 4 --gpu-sharing time-slicing
+        extra = ["--gpu-sharing", sharing] if sharing else []
+        label = f"--workers {n}" + (f" --gpu-sharing {sharing}" if sharing else "")
+        d, recipe = folder(base, f"fashion_{i}_w{n}", fashion(data, trials, epochs, batch))
         timed(["run", str(recipe), "-q"], d)  # warm-up: the store, CUDA's first context, the page cache
-        wall = timed(["sweep", str(recipe), "--workers", str(n), "-q"], d, f"--workers {n}" if trace else None)
+        wall = timed(["sweep", str(recipe), "--workers", n, *extra, "-q"], d, label if trace else None)
         first = first or wall
-        rows.append((f"`mpsrun sweep`, {trials} trials, --workers {n}", wall, f"{wall / first:.2f}x" + (" (target <= 0.5x)" if n != workers[0] else "")))
+        rows.append((f"`mpsrun sweep`, {trials} trials, {label}", wall, f"{wall / first:.2f}x" + (" (target <= 0.5x)" if i else "")))
     return rows
 
 
@@ -190,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--trials", type=int, default=None, help="default: 16 on cpu, 32 on cuda")
-    ap.add_argument("--workers", default="1,4", help="cuda: worker counts to compare (the first is the baseline)")
+    ap.add_argument("--workers", default="1,4", help="cuda: worker counts to compare (the first is the baseline); N:SHARING adds --gpu-sharing SHARING")
     ap.add_argument("--repeats", type=int, default=3, help="cpu: interleaved (run, sweep) pairs; medians reported")
     ap.add_argument("--trace", action="store_true", help="run the sweeps with MPSRUN_SWEEP_TRACE=1 and print each one's mean seconds per trial and phase")
     ap.add_argument("--epochs", type=int, default=2, help="cuda: epochs a trial (recipes/fashion_mlp_mps.yaml trains 10)")
@@ -201,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.device == "cpu":
             rows = cpu(base, a.trials or 16, a.repeats, a.trace)
         else:
-            rows = cuda(base, a.trials or 32, [int(x) for x in a.workers.split(",")], a.trace, a.epochs, a.batch)
+            rows = cuda(base, a.trials or 32, a.workers.split(","), a.trace, a.epochs, a.batch)
     print(f"\nmachine: {machine(a.device)}\ncommand: python benchmarks/sweep_bench.py {' '.join(sys.argv[1:] if argv is None else argv)}\n")
     print("| what | wall (s) | vs baseline |")
     print("| --- | ---: | ---: |")
@@ -214,6 +247,12 @@ def main(argv: list[str] | None = None) -> int:
         print("| --- | " + " | ".join("---:" for _ in PHASES) + " |")
         for label, text in TRACES.items():
             for row in breakdown(label, text):
+                print(row)
+        print("\nTimeline, seconds from the command's start: each worker's first ask, its first trial's end, its trials, its last trial's end, the command's end:\n")
+        print("| sweep | worker | first ask | first trial ends | trials | last trial ends | command ends |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        for label, text in TRACES.items():
+            for row in timeline(label, text):
                 print(row)
     return 0
 

@@ -312,3 +312,31 @@ def test_a_worker_imports_torch_dynamo_before_its_first_trial_in_a_fresh_process
             "print('loaded' if 'torch._dynamo' in sys.modules and not t.is_alive() else 'missing')\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert p.returncode == 0 and p.stdout.strip() == "loaded", p.stdout + p.stderr
+
+
+def _processes_naming(text: str) -> list[int]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        out.append(int(pid))
+            except OSError:
+                pass
+    return out
+
+
+def test_extra_workers_start_before_the_study_and_end_when_the_command_fails_to_open_it(work: Workdir) -> None:
+    """The extra workers are launched before the study and the parent run exist (they load meanwhile); a storage that
+    does not answer is bad input (exit 2), and no worker is left behind, whichever point of its start it had reached."""
+    path = recipe(work, "early.yaml", "sw_early", "optimizer.lr: {low: 0.01, high: 0.2}", trials=2)
+    r = work.cli("sweep", str(path), "--workers", "3", "--storage", "postgresql://nobody@127.0.0.1:9/none")
+    assert r.exit_code == 2, r.output
+    assert "cannot open the Optuna storage" in r.output
+    deadline = time.monotonic() + 10
+    while _processes_naming(str(path)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_naming(str(path)) == []
+    parents, kids = children(work, "sw_early")
+    assert parents == [] and kids == []

@@ -6,7 +6,10 @@ except the one `mpsrun run` that shows the section is ignored.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -151,3 +154,88 @@ def test_workers_sharing_one_gpu_are_told_whether_they_take_turns_simulated_driv
     path = work.write("s.yaml", BASE.format(param="optimizer.lr: [0.1]", metric="val_loss", sampler="tpe").replace("device: cpu", "device: cuda"))
     p = drive.plan(resolve(path), None, 3, None, None, None)
     assert any("3 workers share one GPU through NVIDIA MPS" in n for n in p.notes), p.notes
+
+
+FAKE_CONTROL = """#!/bin/sh
+# nvidia-cuda-mps-control, simulated: -d makes the control pipe in $CUDA_MPS_PIPE_DIRECTORY; a command on stdin is logged.
+if [ "$1" = "-d" ]; then
+  echo "start $CUDA_MPS_PIPE_DIRECTORY" >> "$FAKE_MPS_LOG"; touch "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0
+fi
+read cmd; echo "$cmd $CUDA_MPS_PIPE_DIRECTORY" >> "$FAKE_MPS_LOG"; rm -f "$CUDA_MPS_PIPE_DIRECTORY/control"
+"""
+
+
+def _fake_control(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    exe = bin_dir / "nvidia-cuda-mps-control"
+    exe.write_text(FAKE_CONTROL)
+    exe.chmod(0o755)
+    log = tmp_path / "mps.log"
+    log.touch()
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_MPS_LOG", str(log))
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "no-system-daemon"))
+    monkeypatch.delenv("CUDA_MPS_LOG_DIRECTORY", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    proc = tmp_path / "gpus"
+    (proc / "0000:19:00.0").mkdir(parents=True)
+    return log, str(proc)
+
+
+def test_a_private_nvidia_mps_daemon_for_workers_sharing_a_gpu_simulated_driver(tmp_path, monkeypatch) -> None:
+    """auto: a daemon of the sweep's own (its pipe folder in this process's environment, for the workers), said, and
+    stopped at the end with the environment given back; none for one worker, a CPU recipe, or time-slicing."""
+    from mpsrun.sweep import gpu_share
+
+    log, proc = _fake_control(tmp_path, monkeypatch)
+    monkeypatch.setattr(gpu_share, "PROBE", "pass")  # the CUDA context the real probe makes: no GPU here
+    for args in (("auto", 1, "cuda"), ("auto", 4, "cpu"), ("time-slicing", 4, "cuda")):
+        daemon, said = gpu_share.arrange(*args, proc=proc)
+        assert daemon is None
+    assert "take turns" in said and log.read_text() == ""
+    daemon, said = gpu_share.arrange("auto", 4, "cuda", proc=proc)
+    assert daemon is not None, said
+    assert "4 workers share one GPU through NVIDIA MPS (a daemon this sweep started" in said
+    pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+    assert pipe.startswith(daemon.folder) and os.path.exists(os.path.join(pipe, "control"))
+    assert gpu_share.note(4, "cuda", proc).endswith("their kernels run at once")  # what a worker started now would see
+    daemon.stop()
+    assert log.read_text().splitlines() == [f"start {pipe}", f"quit {pipe}"]
+    assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "no-system-daemon") and "CUDA_MPS_LOG_DIRECTORY" not in os.environ
+    assert not os.path.exists(daemon.folder)
+
+
+def test_a_daemon_whose_cuda_context_fails_is_stopped_and_the_workers_take_turns_simulated_driver(tmp_path, monkeypatch) -> None:
+    """The real probe (a CUDA context through libcuda) fails on this machine, as under a daemon whose server cannot start:
+    auto says why and falls back to time-slicing; nvidia-mps is an error (exit 2 at the command)."""
+    from mpsrun.sweep import gpu_share
+
+    log, proc = _fake_control(tmp_path, monkeypatch)
+    daemon, said = gpu_share.arrange("auto", 2, "cuda", proc=proc)
+    assert daemon is None
+    assert "take turns on it" in said and "NVIDIA MPS, which lets them run at once, could not start: a CUDA context under it failed" in said
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("start ") and lines[1].startswith("quit ")  # started, then quit
+    assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "no-system-daemon")
+    with pytest.raises(ValueError, match="nvidia-mps: NVIDIA MPS could not start"):
+        gpu_share.arrange("nvidia-mps", 2, "cuda", proc=proc)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert "nvidia-cuda-mps-control is not on PATH" in gpu_share.arrange("auto", 2, "cuda", proc=proc)[1]
+
+
+def test_the_daemon_is_stopped_when_the_sweep_is_killed_simulated_driver(tmp_path, monkeypatch) -> None:
+    """kill -9 of the command that started it: its watchdog quits the daemon within about a second."""
+    log, proc = _fake_control(tmp_path, monkeypatch)
+    code = (f"import os, signal; from mpsrun.sweep import gpu_share; gpu_share.PROBE = 'pass'; "
+            f"d, said = gpu_share.arrange('auto', 2, 'cuda', proc={proc!r}); assert d is not None, said; "
+            f"os.kill(os.getpid(), signal.SIGKILL)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == -9, p.stderr
+    import time
+
+    deadline = time.monotonic() + 10
+    while len(log.read_text().splitlines()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2 and lines[1].startswith("quit "), lines

@@ -20,20 +20,38 @@ def sweep(
     study: Optional[str] = typer.Option(None, "--study", show_default=False, help="Study name; default: the recipe's tracking.experiment, else its file name. The same name continues the same study."),
     tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow tracking URI; default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlruns/mlflow.db."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the summary at the end."),
+    gpu_sharing: str = typer.Option(
+        "auto", "--gpu-sharing",
+        help="Workers sharing one NVIDIA GPU: auto (start a private NVIDIA MPS daemon for the sweep where "
+             "nvidia-cuda-mps-control is installed and none runs, so their kernels run at once; else they take turns, said), "
+             "nvidia-mps (the same, an error if it cannot start), time-slicing (never start one)."),
 ) -> None:
     """Search the recipe's `sweep:` section with Optuna; every trial an MLflow child run of one parent run."""
     resolved = resolve_recipe(recipe, overrides)
     if resolved.recipe.matrix:
         raise bad_input("a recipe with `matrix:` cannot be swept: run its cells with `mpsrun bench`, or drop the matrix")
-    from mpsrun.sweep import drive
+    from mpsrun.sweep import drive, gpu_share
 
+    if gpu_sharing not in gpu_share.SHARING:
+        raise bad_input(f"--gpu-sharing {gpu_sharing!r}: choose one of {', '.join(gpu_share.SHARING)}")
     with recipe_errors():
         p = drive.plan(resolved, trials, workers, storage, study, tracking_uri)
     require_store(tracking_uri)
-    run_plan(p, quiet)
+    try:
+        daemon = drive.share_gpu(p, gpu_sharing)
+    except ValueError as e:
+        raise bad_input(str(e)) from None
+    early = drive.launch(p) if p.workers > 1 else None  # loading while this command opens the study and the parent run
+    try:
+        run_plan(p, quiet, early)
+    finally:
+        if early is not None:
+            early.abandon()
+        if daemon is not None:
+            daemon.stop()
 
 
-def run_plan(p, quiet: bool) -> None:  # type: ignore[no-untyped-def]
+def run_plan(p, quiet: bool, early=None) -> None:  # type: ignore[no-untyped-def]
     """Open the study and its parent run, run the workers, print progress and the result; exits with its code."""
     import time
 
@@ -77,7 +95,7 @@ def run_plan(p, quiet: bool) -> None:  # type: ignore[no-untyped-def]
             highlight=False, soft_wrap=True,
         )
 
-    out = drive.run(p, study, parent_id, on_end, opened.generation)
+    out = drive.run(p, study, parent_id, on_end, opened.generation, early)
     s = out.summary
     for note in out.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)

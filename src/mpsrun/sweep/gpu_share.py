@@ -11,6 +11,12 @@ driver's files keeps torch out of the launching command's path: no CUDA context 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
 from typing import Optional
 
 from mpsrun.plugins.nvidia import PROC, visible_gpus
@@ -35,4 +41,123 @@ def note(workers: int, device: str, proc: str = PROC) -> Optional[str]:
     if mps_running():
         return f"{who} through NVIDIA MPS: their kernels run at once"
     return (f"{who} and take turns on it (time-slicing: kernels of different processes never run at once); "
-            "NVIDIA MPS lets them (`nvidia-cuda-mps-control -d` before the sweep; README, Sweeps)")
+            "NVIDIA MPS lets them (`--gpu-sharing auto` starts it where `nvidia-cuda-mps-control` is installed; README, Sweeps)")
+
+
+# --- a private MPS daemon for the sweep's workers -------------------------------------------------------------
+# `mpsrun sweep --gpu-sharing auto` (the default) starts one where workers would share an NVIDIA GPU and no daemon
+# runs: its pipe and log folders are this sweep's own (CUDA_MPS_PIPE_DIRECTORY / CUDA_MPS_LOG_DIRECTORY, set for
+# worker 0 here and inherited by the others), so processes outside the sweep never connect to it, and it is
+# stopped when the sweep ends, or by a watchdog shell if the command is killed (kill -9 included).
+
+SHARING = ("auto", "nvidia-mps", "time-slicing")
+CONTROL = "nvidia-cuda-mps-control"
+
+# A CUDA context made through the driver API alone (no torch: 0.1 s of Python, not torch's import): under MPS it is
+# what connects to the daemon's server, so a server that cannot start fails here, not in every trial.
+PROBE = """
+import ctypes, sys
+cu = ctypes.CDLL("libcuda.so.1")
+dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+for what, rc in (("cuInit", lambda: cu.cuInit(0)), ("cuDeviceGet", lambda: cu.cuDeviceGet(ctypes.byref(dev), 0)),
+                 ("cuDevicePrimaryCtxRetain", lambda: cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))):
+    r = rc()
+    if r:
+        sys.exit(f"{what} returned CUDA error {r}")
+"""
+
+
+@dataclass
+class Daemon:
+    """A running private MPS control daemon; `stop()` quits it and restores this process's environment."""
+
+    exe: str
+    folder: str
+    env: dict
+    watchdog: Optional[subprocess.Popen] = None
+    saved: dict = field(default_factory=dict)
+
+    def stop(self) -> None:
+        try:
+            subprocess.run([self.exe], input=b"quit\n", env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            pass
+        if self.watchdog is not None and self.watchdog.poll() is None:
+            self.watchdog.kill()
+            self.watchdog.wait()
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def wanted(sharing: str, workers: int, device: str, proc: str = PROC) -> bool:
+    """Whether to start a daemon: workers would share an NVIDIA GPU, none runs, and the user did not say time-slicing."""
+    if sharing == "time-slicing" or mps_running():
+        return False
+    note_now = note(workers, device, proc)
+    return note_now is not None and "take turns" in note_now
+
+
+def start(probe: Optional[str] = None, timeout_s: float = 30.0) -> "Daemon | str":
+    """A private daemon started and checked with a CUDA context, or why not (the sweep then takes turns, and says so)."""
+    exe = shutil.which(CONTROL)
+    if exe is None:
+        return f"{CONTROL} is not on PATH"
+    folder = tempfile.mkdtemp(prefix="mpsrun-nvidia-mps-")
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": os.path.join(folder, "pipe"), "CUDA_MPS_LOG_DIRECTORY": os.path.join(folder, "log")}
+    os.makedirs(env["CUDA_MPS_PIPE_DIRECTORY"])
+    os.makedirs(env["CUDA_MPS_LOG_DIRECTORY"])
+    daemon = Daemon(exe, folder, env)
+    errors = os.path.join(folder, "start.err")
+    try:
+        with open(errors, "wb") as err:  # a file, not a pipe: the forked daemon would hold a pipe open
+            rc = subprocess.run([exe, "-d"], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, timeout=timeout_s).returncode
+        if rc != 0:
+            raise RuntimeError(f"`{CONTROL} -d` exited {rc}: {_tail(errors)}")
+        deadline = time.monotonic() + 5.0
+        while not os.path.exists(os.path.join(env["CUDA_MPS_PIPE_DIRECTORY"], "control")):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"`{CONTROL} -d` made no control pipe: {_tail(os.path.join(env['CUDA_MPS_LOG_DIRECTORY'], 'control.log'))}")
+            time.sleep(0.01)
+        # The watchdog: the daemon must not outlive the sweep (a killed command cannot stop it itself).
+        daemon.watchdog = subprocess.Popen(
+            ["sh", "-c", f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 1; done; echo quit | '{exe}'"],
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        p = subprocess.run([sys.executable, "-c", PROBE if probe is None else probe], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, timeout=timeout_s)
+        if p.returncode != 0:
+            log = _tail(os.path.join(env["CUDA_MPS_LOG_DIRECTORY"], "server.log")) or _tail(os.path.join(env["CUDA_MPS_LOG_DIRECTORY"], "control.log"))
+            raise RuntimeError(f"a CUDA context under it failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}" + (f" ({log})" if log else ""))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+        daemon.stop()
+        return str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
+    for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
+        daemon.saved[k] = os.environ.get(k)
+        os.environ[k] = env[k]
+    return daemon
+
+
+def _tail(path: str, lines: int = 2) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return " | ".join(x.strip() for x in f.read().strip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def arrange(sharing: str, workers: int, device: str, proc: str = PROC) -> "tuple[Optional[Daemon], Optional[str]]":
+    """The daemon (or None) and the note to say: how workers sharing a GPU will run, and why where MPS was wanted but failed.
+
+    `nvidia-mps` that cannot start is an error (exit 2, raised as ValueError); `auto` falls back to taking turns, said.
+    """
+    if not wanted(sharing, workers, device, proc):
+        return None, note(workers, device, proc)
+    got = start()
+    if isinstance(got, Daemon):
+        return got, note(workers, device, proc).replace("through NVIDIA MPS", "through NVIDIA MPS (a daemon this sweep started and stops at its end)")
+    if sharing == "nvidia-mps":
+        raise ValueError(f"--gpu-sharing nvidia-mps: NVIDIA MPS could not start: {got}")
+    return None, note(workers, device, proc).split(";")[0] + f"; NVIDIA MPS, which lets them run at once, could not start: {got} (--gpu-sharing time-slicing to not try)"

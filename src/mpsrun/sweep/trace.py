@@ -48,7 +48,8 @@ class Phases:
 
     def line(self, worker: int, number: int) -> str:
         parts = " ".join(f"{k}={self.s[k]:.3f}" for k in (*PHASES, "wait", "canary") if k in self.s)
-        return f"sweep-trace worker={worker} trial={number} {parts} total={time.perf_counter() - self.start:.3f}"
+        # `at`: the wall clock at the trial's end, so a benchmark can lay the workers' trials on one timeline
+        return f"sweep-trace worker={worker} trial={number} {parts} total={time.perf_counter() - self.start:.3f} at={time.time():.3f}"
 
 
 class Totals:
@@ -69,7 +70,7 @@ class Totals:
     def emit(self, ready_s: float) -> None:
         parts = " ".join(f"{k}={v:.3f}" for k, v in self.s.items())
         emit(f"sweep-trace-total worker={self.worker} trials={self.trials} ready={ready_s:.3f} {parts} "
-             f"loop={time.perf_counter() - self.t0:.3f}")
+             f"loop={time.perf_counter() - self.t0:.3f} at={time.time():.3f}")
 
 
 def emit(line: str) -> None:

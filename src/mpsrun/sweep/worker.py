@@ -3,7 +3,11 @@
 torch is imported once per worker and the dataset built once (trial.DataCache); a trial
 costs a model, an optimizer and an MLflow child run, not a Python start. `mpsrun sweep
 --workers N` runs worker 0 in its own process and N-1 more as `python -m
-mpsrun.sweep.worker` (each in its own session: the command forwards a signal once).
+mpsrun.sweep.worker` (each in its own session: the command forwards a signal once). The
+extra workers are started first thing, before the command has a study or a parent run, and
+load torch, their MLflow helper and the data meanwhile; they read the rest of the job (the
+parent run) from their stdin when it exists (`late_job`): started after those, they began
+their first trial about 10 s after worker 0 on the H100.
 The ask/tell loop, rather than `study.optimize`, is what lets the budget count only
 trials that ended by their own doing, and a lost trial be failed and queued again.
 """
@@ -122,10 +126,12 @@ def _lost_run(t: Any, why: str, on_lost_run: Callable[[str, str], None]) -> None
 
 
 def work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, Any], None] | None = None,
-         ready: Callable[[], None] | None = None) -> Tally:
+         ready: Callable[[], None] | None = None, late: Callable[[], Job | None] | None = None) -> Tally:
     """Trials until the study holds `job.target` counted trials (or none is left to ask for).
 
     `ready` is called once torch, the study and the first dataset are loaded, before the first trial.
+    `late`, when given, is called once torch and the data are loaded and returns the whole job (the parent
+    run known), or None when the command ended before it had one: the worker then ends without a trial.
     Each worker starts asking as soon as it is ready, not once all are: on one GPU the workers gain
     only by overlapping one's CPU work with another's epochs, and waiting for the slowest start
     (torch, mlflow and the data in each) left the GPU idle meanwhile. `on_end` is called after each trial.
@@ -143,7 +149,7 @@ def work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, A
 
     threads = torch.get_num_threads()
     try:
-        return _work(job, resolved, index, on_end, ready, tracker, warm)
+        return _work(job, resolved, index, on_end, ready, tracker, warm, late)
     finally:
         torch.set_num_threads(threads)  # a worker in a longer-lived process (tests, notebooks) gives them back
         tracker.close()
@@ -172,7 +178,7 @@ def _warm_dynamo() -> Any:
 
 
 def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, Any], None] | None, ready: Callable[[], None] | None, tracker: Any,
-          warm: Any = None) -> Tally:
+          warm: Any = None, late: Callable[[], Job | None] | None = None) -> Tally:
     from mpsrun.devices import canary
     from mpsrun.recipe.sweep import trial_recipe
     from mpsrun.sweep import parent, trace
@@ -182,7 +188,6 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
     share_cores(job.workers)
     placement = {**trial_defaults(resolved), **device_for(resolved, index, job.workers)}
     marker = parent.RunMarker(job.tracking_uri, tracker)
-    study = load_study(job, resolved, index, marker.lost)
     cache = trial_mod.DataCache()
     try:
         cache.get(trial_recipe(resolved, placement))  # the data every trial of this recipe's dataset section uses
@@ -190,6 +195,12 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
         pass
     if warm is not None:
         warm.join(60)  # the first trial would wait for the same import
+    if late is not None:
+        whole = late()
+        if whole is None:
+            return Tally()  # the command ended (bad input, a signal) before it had a study and a parent run
+        job = whole
+    study = load_study(job, resolved, index, marker.lost)
     if ready is not None:
         ready()
     tracing = trace.enabled()
@@ -320,21 +331,33 @@ def report_to(fd: int) -> Callable[[TrialEnd, Any], None]:
     return on_end
 
 
+LATE = "--job-on-stdin"  # the job's argument lacks the parent run: the whole job comes as one line on stdin
+
+
+def late_job() -> Job | None:
+    """The whole job, one JSON line the command writes once its study and parent run exist; None at end of input."""
+    line = sys.stdin.readline()
+    return Job.from_json(line) if line.strip() else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m mpsrun.sweep.worker INDEX JOB_JSON`: one extra worker of `mpsrun sweep --workers N`."""
+    """`python -m mpsrun.sweep.worker INDEX JOB_JSON [REPORT_FD] [--job-on-stdin]`: one extra worker of `mpsrun sweep --workers N`."""
     from mpsrun.exitcodes import EXIT_INPUT, EXIT_OK
     from mpsrun.plugins import resolve
     from mpsrun.sweep import trial as trial_mod
     from mpsrun.train.keep import interrupt
 
     args = sys.argv[1:] if argv is None else argv
+    later = LATE in args
+    args = [a for a in args if a != LATE]
     index, job = int(args[0]), Job.from_json(args[1])
     report_fd = int(args[2]) if len(args) > 2 else None
     resolved = resolve(job.recipe, job.overrides)
     try:
         with interrupt.stop_on_signals():
             work(job, resolved, index, on_end=report_to(report_fd) if report_fd is not None else None,
-                 ready=(lambda: _write(report_fd, READY + b"\n")) if report_fd is not None else None)
+                 ready=(lambda: _write(report_fd, READY + b"\n")) if report_fd is not None else None,
+                 late=late_job if later else None)
     except KeyboardInterrupt as e:
         return interrupt.exit_code(e)
     except trial_mod.BadInput as e:
