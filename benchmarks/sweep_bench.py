@@ -152,6 +152,9 @@ def timeline(label: str, text: str) -> list[str]:
     for w in sorted(ends):
         e = sorted(ends[w])
         rows.append(f"| {label} | w{w} | {ready.get(w, float('nan')):.1f} | {e[0]:.1f} | {len(e)} | {e[-1]:.1f} | {t1 - t0:.1f} |")
+    marks = [dict(f.split("=", 1) for f in line.split()[1:] if "=" in f) for line in text.splitlines() if line.startswith("sweep-trace-mark ")]
+    if marks:  # the command's end, step by step
+        rows.append(f"| {label} | the end | " + ", ".join(f"{m['what']} {float(m['at']) - t0:.1f}" for m in marks) + " | | | | |")
     return rows
 
 

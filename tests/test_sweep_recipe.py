@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -200,10 +201,20 @@ def test_a_private_nvidia_mps_daemon_for_workers_sharing_a_gpu_simulated_driver(
     pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
     assert pipe.startswith(daemon.folder) and os.path.exists(os.path.join(pipe, "control"))
     assert gpu_share.note(4, "cuda", proc).endswith("their kernels run at once")  # what a worker started now would see
-    daemon.stop()
-    assert log.read_text().splitlines() == [f"start {pipe}", f"quit {pipe}"]
+    daemon.stop()  # quits it without waiting (a detached shell)
     assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "no-system-daemon") and "CUDA_MPS_LOG_DIRECTORY" not in os.environ
+    _quit_logged(log)
+    assert log.read_text().splitlines() == [f"start {pipe}", f"quit {pipe}"]
+    deadline = time.monotonic() + 10
+    while os.path.exists(daemon.folder) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not os.path.exists(daemon.folder)
+
+
+def _quit_logged(log) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + 10
+    while len(log.read_text().splitlines()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def test_a_daemon_whose_cuda_context_fails_is_stopped_and_the_workers_take_turns_simulated_driver(tmp_path, monkeypatch) -> None:
@@ -215,9 +226,11 @@ def test_a_daemon_whose_cuda_context_fails_is_stopped_and_the_workers_take_turns
     daemon, said = gpu_share.arrange("auto", 2, "cuda", proc=proc)
     assert daemon is None
     assert "take turns on it" in said and "NVIDIA MPS, which lets them run at once, could not start: a CUDA context under it failed" in said
+    _quit_logged(log)
     lines = log.read_text().splitlines()
     assert len(lines) == 2 and lines[0].startswith("start ") and lines[1].startswith("quit ")  # started, then quit
     assert os.environ["CUDA_MPS_PIPE_DIRECTORY"] == str(tmp_path / "no-system-daemon")
+    log.write_text("")
     with pytest.raises(ValueError, match="nvidia-mps: NVIDIA MPS could not start"):
         gpu_share.arrange("nvidia-mps", 2, "cuda", proc=proc)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
@@ -232,10 +245,6 @@ def test_the_daemon_is_stopped_when_the_sweep_is_killed_simulated_driver(tmp_pat
             f"os.kill(os.getpid(), signal.SIGKILL)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert p.returncode == -9, p.stderr
-    import time
-
-    deadline = time.monotonic() + 10
-    while len(log.read_text().splitlines()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _quit_logged(log)
     lines = log.read_text().splitlines()
     assert len(lines) == 2 and lines[1].startswith("quit "), lines

@@ -49,6 +49,9 @@ def sweep(
             early.abandon()
         if daemon is not None:
             daemon.stop()
+            from mpsrun.sweep import trace
+
+            trace.mark("daemon_stopped")
 
 
 def run_plan(p, quiet: bool, early=None) -> None:  # type: ignore[no-untyped-def]

@@ -188,7 +188,7 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
     publishes the results and closes the parent only if it can claim it when its workers are done.
     """
     from mpsrun.exitcodes import EXIT_FAIL, EXIT_INPUT, EXIT_OK
-    from mpsrun.sweep import parent, results
+    from mpsrun.sweep import parent, results, trace
     from mpsrun.sweep import trial as trial_mod
     from mpsrun.sweep import worker
     from mpsrun.train.keep import interrupt
@@ -211,6 +211,7 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
     shower = threading.Thread(target=_show, args=(ends, study, on_end), name="mpsrun-sweep-show", daemon=True)
     shower.start()
     reader: threading.Thread | None = None
+    early_results: Any = None
     try:
         with interrupt.stop_on_signals():
             pipes = early.pipes
@@ -226,7 +227,14 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
                 _signal(procs, signal.SIGTERM)
             if any(proc.poll() is None for proc in procs):
                 _warm_figures()  # while the others finish their last trials: the parent's figures come next
+            trace.mark("worker0_ended")
+            if generation is not None and code == EXIT_OK and _study_done_first(procs, study, p.target):
+                # every trial has ended in the study while the others still close their runs and exit: the parent's
+                # results are written meanwhile (their exit took 1-2 s on the H100, after the last trial's end)
+                early_results = results.publish(p.resolved, study, parent_run_id, p.tracking_uri, p.target)
+                trace.mark("published")
             codes = _wait(procs)
+            trace.mark("workers_ended")
     except KeyboardInterrupt as e:
         _signal(procs, getattr(e, "signum", signal.SIGINT))
         _wait(procs)
@@ -249,7 +257,10 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
         else:
             notes.append(f"the results are the owner's to publish when it ends: {got['message']}")
     if generation is not None:
-        summary, more = results.publish(p.resolved, study, parent_run_id, p.tracking_uri, p.target)
+        if early_results is None:
+            early_results = results.publish(p.resolved, study, parent_run_id, p.tracking_uri, p.target)
+            trace.mark("published")
+        summary, more = early_results
         notes += more
     else:
         summary = results.summarise(p.resolved, study)
@@ -264,7 +275,18 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
         status = "FAILED"
     if generation is not None:
         parent.close(p.tracking_uri, parent_run_id, status, generation)
+        trace.mark("parent_closed")
     return Outcome(code, parent_run_id, summary, notes, message)
+
+
+def _study_done_first(procs: list[subprocess.Popen], study: Any, target: int) -> bool:
+    """Wait until the study holds `target` counted trials and none runs (True), or every worker has exited (False)."""
+    while any(proc.poll() is None for proc in procs):
+        done, running = storage.budget(study, target)
+        if done >= target and running == 0:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _warm_figures() -> None:

@@ -78,19 +78,27 @@ class Daemon:
     saved: dict = field(default_factory=dict)
 
     def stop(self) -> None:
-        try:
-            subprocess.run([self.exe], input=b"quit\n", env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            pass
+        """Quit the daemon without waiting for it: on the H100 `quit` took about 10 s to return (its server's
+        shutdown), which the sweep's user would wait for after the last trial. A detached shell quits it and
+        removes its folder; the watchdog (the same work, after this process dies) is no longer needed."""
         if self.watchdog is not None and self.watchdog.poll() is None:
             self.watchdog.kill()
             self.watchdog.wait()
+        try:
+            subprocess.Popen(["sh", "-c", _finish(self.exe, self.folder)], env=self.env, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        except OSError:
+            pass
         for k, v in self.saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _finish(exe: str, folder: str) -> str:
+    """The shell line that quits the daemon, then removes its pipe and log folder."""
+    return f"echo quit | '{exe}'; rm -rf '{folder}'"
 
 
 def wanted(sharing: str, workers: int, device: str, proc: str = PROC) -> bool:
@@ -124,7 +132,7 @@ def start(probe: Optional[str] = None, timeout_s: float = 30.0) -> "Daemon | str
             time.sleep(0.01)
         # The watchdog: the daemon must not outlive the sweep (a killed command cannot stop it itself).
         daemon.watchdog = subprocess.Popen(
-            ["sh", "-c", f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 1; done; echo quit | '{exe}'"],
+            ["sh", "-c", f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 1; done; {_finish(exe, folder)}"],
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         p = subprocess.run([sys.executable, "-c", PROBE if probe is None else probe], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True, timeout=timeout_s)
@@ -132,7 +140,7 @@ def start(probe: Optional[str] = None, timeout_s: float = 30.0) -> "Daemon | str
             log = _tail(os.path.join(env["CUDA_MPS_LOG_DIRECTORY"], "server.log")) or _tail(os.path.join(env["CUDA_MPS_LOG_DIRECTORY"], "control.log"))
             raise RuntimeError(f"a CUDA context under it failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}" + (f" ({log})" if log else ""))
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-        daemon.stop()
+        daemon.stop()  # quits it (if it started) and removes the folder, detached
         return str(e) if isinstance(e, RuntimeError) else f"{type(e).__name__}: {e}"
     for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"):
         daemon.saved[k] = os.environ.get(k)

@@ -73,6 +73,12 @@ class Totals:
              f"loop={time.perf_counter() - self.t0:.3f} at={time.time():.3f}")
 
 
+def mark(what: str) -> None:
+    """A moment of the launching command (workers ended, results published, ...) on the wall clock, when tracing."""
+    if enabled():
+        emit(f"sweep-trace-mark what={what} at={time.time():.3f}")
+
+
 def emit(line: str) -> None:
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
