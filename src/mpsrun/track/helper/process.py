@@ -38,11 +38,11 @@ WARM_ENV = "MPSRUN_HELPER_WARM"  # 0: no imports ahead of need (for measuring wh
 
 
 class _Trace:
-    """With $MPSRUN_HELPER_TRACE=FILE: one line per step (seconds since the helper started, the step's
+    """With $MPSRUN_HELPER_TRACE=FILE (`{pid}` in it: one file per helper, as a sweep's workers each have one): one line per step (seconds since the helper started, the step's
     own seconds, what), to see where the helper's time goes (benchmarks, not tests)."""
 
     def __init__(self) -> None:
-        self.path = os.environ.get("MPSRUN_HELPER_TRACE")
+        self.path = os.environ.get("MPSRUN_HELPER_TRACE", "").replace("{pid}", str(os.getpid())) or None  # {pid}: a file per helper
         self.t0 = self.last = time.perf_counter()
 
     def mark(self, what: str) -> None:
