@@ -27,9 +27,13 @@ from typing import Any, Callable, Iterator, TypeVar
 T = TypeVar("T")
 
 LOCK_TIMEOUT_S = 300.0  # a migration takes seconds; a stuck lock file should not hang forever
-RETRY_ATTEMPTS = 12
-RETRY_FIRST_S = 0.05
-RETRY_MAX_S = 3.0
+RETRY_FOR_S = 30.0  # a locked store is retried this long in all (a migration in another process takes seconds)
+RETRY_FIRST_S = 0.02
+# The longest single wait. SQLite gives a deferred transaction that must upgrade its read lock `database is
+# locked` at once while another connection writes (no busy wait: it would deadlock), and writers hold the
+# lock for milliseconds; with a cap of 3 s, a writer among four sweep workers' helpers lost the race several
+# times in a row and slept up to 3 s per loss (a child run's creation took 7.3 s on the H100).
+RETRY_MAX_S = 0.25
 
 
 def sqlite_path(uri: str) -> Path | None:
@@ -70,21 +74,20 @@ def is_locked_error(e: BaseException) -> bool:
 
 
 def retry_locked(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Call `fn`; on `database is locked` wait (exponential backoff with jitter) and call again.
+    """Call `fn`; on `database is locked` wait (exponential backoff with jitter, capped at RETRY_MAX_S) and call again.
 
-    Other errors pass through at once. The last locked error is raised after
-    RETRY_ATTEMPTS tries (about half a minute of waiting in all).
+    Other errors pass through at once. The last locked error is raised once RETRY_FOR_S have passed.
     """
     delay = RETRY_FIRST_S
-    for attempt in range(RETRY_ATTEMPTS):
+    deadline = time.monotonic() + RETRY_FOR_S
+    while True:
         try:
             return fn(*args, **kwargs)
         except Exception as e:
-            if not is_locked_error(e) or attempt == RETRY_ATTEMPTS - 1:
+            if not is_locked_error(e) or time.monotonic() >= deadline:
                 raise
         time.sleep(delay * (0.5 + random.random()))
         delay = min(delay * 2, RETRY_MAX_S)
-    raise AssertionError("unreachable")
 
 
 class RetryingClient:
