@@ -144,7 +144,10 @@ def work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, A
     # trials' MLflow writes and records run there, on another core, beside the training.
     uri, artifact_root = store.resolve_uri(job.tracking_uri)
     experiment = resolved.recipe.tracking.experiment or resolved.path.stem
-    tracker = background.start(uri, experiment, artifact_root, device=resolved.recipe.device, keep_open=True)
+    tracking = {**(resolved.source.data.get("tracking") or {}), **{k.split(".", 1)[1]: v for k, v in trial_defaults(resolved).items() if k.startswith("tracking.")}}
+    ends_light = not tracking.get("log_model", True) and not tracking.get("figures", True)  # the trials' default
+    tracker = background.start(uri, experiment, artifact_root, device=resolved.recipe.device, keep_open=True,
+                               warm="begin" if ends_light else None)
     import torch
 
     threads = torch.get_num_threads()

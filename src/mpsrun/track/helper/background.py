@@ -74,15 +74,16 @@ def may_run_on_mps(device: str | None) -> bool:
 
 
 def start(uri: str, experiment: str, artifact_root: str | None = None, mode: str | None = None, device: str | None = None,
-          keep_open: bool = False, export_ahead: bool = False, accelerator: bool = True) -> "BackgroundTracker":
+          keep_open: bool = False, export_ahead: bool = False, accelerator: bool = True, warm: str | None = None) -> "BackgroundTracker":
     """Begin MLflow set-up now (import, client, store checks, experiment look-up); returns at once.
 
     `device`: the recipe's; auto mode keeps the tracker in this process where it may be MPS.
     `keep_open`: runs one after another (`close()` when done), as a sweep's worker does.
     `export_ahead`: the run logs a model: start the exporter process too, where it pays
-    (track/helper/exporter.py); `accelerator`: the run will likely train on a GPU.
+    (track/helper/exporter.py); `accelerator`: the run will likely train on a GPU. `warm`: "begin" when
+    the runs log no model and no figures (a sweep's trials): the helper imports only what `begin` needs.
     """
-    return BackgroundTracker(uri, experiment, artifact_root, mode, device, keep_open, export_ahead, accelerator)
+    return BackgroundTracker(uri, experiment, artifact_root, mode, device, keep_open, export_ahead, accelerator, warm)
 
 
 class BackgroundTracker:
@@ -93,7 +94,7 @@ class BackgroundTracker:
     """
 
     def __init__(self, uri: str, experiment: str, artifact_root: str | None = None, mode: str | None = None, device: str | None = None,
-                 keep_open: bool = False, export_ahead: bool = False, accelerator: bool = True) -> None:
+                 keep_open: bool = False, export_ahead: bool = False, accelerator: bool = True, warm: str | None = None) -> None:
         self.uri, self.experiment, self.artifact_root = uri, experiment, artifact_root
         self.keep_open = keep_open  # one run after another in the same helper (a sweep's worker): `finish` leaves it running
         self.mode, self.mode_reason = choose_mode(mode)
@@ -116,7 +117,7 @@ class BackgroundTracker:
             self._thread = threading.Thread(target=self._warm, name="mpsrun-mlflow-setup", daemon=True)
             self._thread.start()
         elif self.mode == "process":
-            self._remote = _Remote(uri, experiment, artifact_root)
+            self._remote = _Remote(uri, experiment, artifact_root, warm)
         self._exporter: Any = None
         self._export_asked = export_ahead  # `mpsrun run` (tagged mpsrun.model_export), not a sweep's worker
         self._figures_args: tuple | None = None  # the end figures, held for the exporter to draw after the model

@@ -124,7 +124,7 @@ class _Remote:
     posted calls it may not have written.
     """
 
-    def __init__(self, uri: str, experiment: str, artifact_root: str | None) -> None:
+    def __init__(self, uri: str, experiment: str, artifact_root: str | None, warm: str | None = None) -> None:
         args = [sys.executable, "-m", "mpsrun.track.helper.process", uri, experiment, artifact_root or ""]
         fd, self._beat = tempfile.mkstemp(prefix="mpsrun-helper-beat-")
         os.close(fd)
@@ -134,7 +134,7 @@ class _Remote:
         # marks the run KILLED through this helper. stderr is shared (MLflow's own notes).
         # Answers are read unbuffered, so that waiting on them can watch the heartbeat.
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
-                                     bufsize=0, env={**os.environ, BEAT_ENV: self._beat})
+                                     bufsize=0, env={**os.environ, BEAT_ENV: self._beat, **({"MPSRUN_HELPER_WARM": warm} if warm else {})})
         self._lock = threading.Lock()
         self._kinds: dict[str, bool] = {}
         self._posted: list[_Posted] = []  # sent, answer not read yet (oldest first)

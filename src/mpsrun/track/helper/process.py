@@ -34,7 +34,7 @@ from mpsrun.track.records import hooks  # noqa: E402
 from mpsrun.track.store import client as store
 
 
-WARM_ENV = "MPSRUN_HELPER_WARM"  # 0: no imports ahead of need (for measuring what warming buys)
+WARM_ENV = "MPSRUN_HELPER_WARM"  # 0: no imports ahead of need (for measuring what warming buys); begin: only what `begin` needs
 
 
 class _Trace:
@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
         # While the training process imports torch and trains, import what the end of the
         # run needs (torch, torch.export, mlflow.pytorch, matplotlib) on a thread: requests
         # are still answered in between, and a request needing a module waits for it.
-        threading.Thread(target=hooks.warm, args=(trace.mark,), name="mpsrun-helper-warm", daemon=True).start()
+        threading.Thread(target=hooks.warm, args=(trace.mark, os.environ.get(WARM_ENV) == "begin"), name="mpsrun-helper-warm", daemon=True).start()
 
     trace.mark("set-up")
     while True:

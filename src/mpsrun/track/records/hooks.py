@@ -27,17 +27,26 @@ WARM_MODULES = ("mlflow.data", "mlflow.entities", "matplotlib.figure", "matplotl
                 "mlflow.models", "mlflow.pyfunc", "mlflow.utils.environment", "mlflow.utils.model_utils", "mlflow.system_metrics.system_metrics_monitor")
 
 
-def warm(mark: Any = None) -> None:
-    """Import what `begin` and `end` will need, so the end of a run is only its work."""
+BEGIN_MODULES = 2  # the first WARM_MODULES: what `begin` needs (dataset inputs); the rest serve the end
+
+
+def warm(mark: Any = None, begin_only: bool = False) -> None:
+    """Import what `begin` and `end` will need, so the end of a run is only its work.
+
+    `begin_only`: a sweep worker's helper whose trials log no model and no figures (the default for
+    trials): the rest would only compete, on the helper's interpreter lock, with the first trial's calls.
+    """
     import importlib
 
-    for name in WARM_MODULES:
+    for name in WARM_MODULES[:BEGIN_MODULES] if begin_only else WARM_MODULES:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the hook that needs it reports the failure itself
             pass
         if mark is not None:
             mark(f"warm: imported {name}")
+    if begin_only:
+        return
     # A first draw loads matplotlib's fonts: one tiny figure, thrown away. (No torch here: the
     # training process exports the model, `model_pt2` logs it without importing torch.)
     try:
