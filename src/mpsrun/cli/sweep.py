@@ -43,9 +43,15 @@ def sweep(
     except ValueError as e:
         raise bad_input(str(e)) from None
     early = drive.launch(p) if p.workers > 1 else None  # loading while this command opens the study and the parent run
+    from mpsrun.sweep import worker
+
+    tracker = worker.start_tracker(p.resolved, p.tracking_uri)  # worker 0's MLflow helper: its set-up takes seconds
+    handed = [tracker]
     try:
-        run_plan(p, quiet, early)
+        run_plan(p, quiet, early, handed)
     finally:
+        if handed:  # the command ended before worker 0 took it over
+            tracker.close(wait=False)
         if early is not None:
             early.abandon()
         if daemon is not None:
@@ -55,7 +61,7 @@ def sweep(
             trace.mark("daemon_stopped")
 
 
-def run_plan(p, quiet: bool, early=None) -> None:  # type: ignore[no-untyped-def]
+def run_plan(p, quiet: bool, early=None, handed: Optional[list] = None) -> None:  # type: ignore[no-untyped-def,type-arg]
     """Open the study and its parent run, run the workers, print progress and the result; exits with its code."""
     import time
 
@@ -99,7 +105,8 @@ def run_plan(p, quiet: bool, early=None) -> None:  # type: ignore[no-untyped-def
             highlight=False, soft_wrap=True,
         )
 
-    out = drive.run(p, study, parent_id, on_end, opened.generation, early)
+    tracker = handed.pop() if handed else None  # worker 0 owns (and closes) the helper started for it
+    out = drive.run(p, study, parent_id, on_end, opened.generation, early, tracker)
     # Every record is written (worker 0's MLflow helper answered `finish`, the other workers have exited, the parent's
     # writes were direct): the command ends without Python's teardown of torch and CUDA (2.4 s on 2 cores and on the H100).
     common.END_WITHOUT_FINALISATION = True

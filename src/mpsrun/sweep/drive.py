@@ -181,7 +181,7 @@ def launch(p: Plan) -> Early:
 
 
 def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any], None] | None = None,
-        generation: int | None = 0, early: Early | None = None) -> Outcome:
+        generation: int | None = 0, early: Early | None = None, tracker: Any = None) -> Outcome:
     """Worker 0 here, workers 1..N-1 as processes; signals stop them all cleanly; results on the parent.
 
     `generation`: this command's owner claim on the parent (parent.open_parent); None for a guest, which
@@ -221,7 +221,8 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
                 reader.start()
             together = os.environ.get(ENV_TOGETHER, "") not in ("", "0")
             try:
-                worker.work(job, p.resolved, 0, ended, ready=(lambda: _all_ready(arrived, len(pipes))) if together else None)
+                worker.work(job, p.resolved, 0, ended, ready=(lambda: _all_ready(arrived, len(pipes))) if together else None,
+                            tracker=tracker)
             except trial_mod.BadInput as e:
                 code, message = EXIT_INPUT, str(e)
                 _signal(procs, signal.SIGTERM)

@@ -125,8 +125,26 @@ def _lost_run(t: Any, why: str, on_lost_run: Callable[[str, str], None]) -> None
         on_lost_run(run_id, why)
 
 
+def start_tracker(resolved: Resolved, tracking_uri: str | None) -> Any:
+    """This worker's MLflow helper process, for all its trials (as `mpsrun run` has one for its run).
+
+    The trials' MLflow writes and records run there, on another core, beside the training. Its set-up
+    (importing mlflow, opening the store) took 6-11 s on the H100 machine with four workers starting at
+    once, so the launching command starts worker 0's first thing, before its study and parent run.
+    """
+    from mpsrun.track.helper import background
+    from mpsrun.track.store import client as store
+
+    uri, artifact_root = store.resolve_uri(tracking_uri)
+    experiment = resolved.recipe.tracking.experiment or resolved.path.stem
+    tracking = {**(resolved.source.data.get("tracking") or {}), **{k.split(".", 1)[1]: v for k, v in trial_defaults(resolved).items() if k.startswith("tracking.")}}
+    ends_light = not tracking.get("log_model", True) and not tracking.get("figures", True)  # the trials' default
+    return background.start(uri, experiment, artifact_root, device=resolved.recipe.device, keep_open=True,
+                            warm="begin" if ends_light else None)
+
+
 def work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, Any], None] | None = None,
-         ready: Callable[[], None] | None = None, late: Callable[[], Job | None] | None = None) -> Tally:
+         ready: Callable[[], None] | None = None, late: Callable[[], Job | None] | None = None, tracker: Any = None) -> Tally:
     """Trials until the study holds `job.target` counted trials (or none is left to ask for).
 
     `ready` is called once torch, the study and the first dataset are loaded, before the first trial.
@@ -135,19 +153,11 @@ def work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, A
     Each worker starts asking as soon as it is ready, not once all are: on one GPU the workers gain
     only by overlapping one's CPU work with another's epochs, and waiting for the slowest start
     (torch, mlflow and the data in each) left the GPU idle meanwhile. `on_end` is called after each trial.
+    `tracker`: a helper started earlier (start_tracker); this worker closes it when it ends.
     """
-    from mpsrun.track.helper import background
-    from mpsrun.track.store import client as store
-
     warm = _warm_dynamo()
-    # One MLflow helper process for all this worker's trials (as `mpsrun run` has one for its run): the
-    # trials' MLflow writes and records run there, on another core, beside the training.
-    uri, artifact_root = store.resolve_uri(job.tracking_uri)
-    experiment = resolved.recipe.tracking.experiment or resolved.path.stem
-    tracking = {**(resolved.source.data.get("tracking") or {}), **{k.split(".", 1)[1]: v for k, v in trial_defaults(resolved).items() if k.startswith("tracking.")}}
-    ends_light = not tracking.get("log_model", True) and not tracking.get("figures", True)  # the trials' default
-    tracker = background.start(uri, experiment, artifact_root, device=resolved.recipe.device, keep_open=True,
-                               warm="begin" if ends_light else None)
+    if tracker is None:
+        tracker = start_tracker(resolved, job.tracking_uri)
     import torch
 
     threads = torch.get_num_threads()
