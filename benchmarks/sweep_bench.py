@@ -83,9 +83,10 @@ TRACES: dict[str, str] = {}  # label -> the sweep's output, when --trace is give
 STARTED: dict[str, tuple[float, float]] = {}  # label -> the command's (start, end) on the wall clock
 
 
-def timed(args: list[str], cwd: Path, trace: str | None = None) -> float:
+def timed(args: list[str], cwd: Path, trace: str | None = None, extra_env: dict[str, str] | None = None) -> float:
     """Wall time of one real command; `trace`: a label, the command run with MPSRUN_SWEEP_TRACE=1 and its output kept."""
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env.update(extra_env or {})
     if trace is not None:
         env["MPSRUN_SWEEP_TRACE"] = "1"
     t0, w0 = time.perf_counter(), time.time()
@@ -201,12 +202,14 @@ def cuda(base: Path, trials: int, workers: list[str], trace: bool = False, epoch
     rows: list[tuple[str, float, str]] = []
     first = None
     for i, spec in enumerate(workers):
+        spec, _, assign = spec.partition("~")  # "4~VAR=VALUE": with that variable set
         n, _, sharing = spec.partition(":")  # "4:time-slicing": --workers 4 --gpu-sharing time-slicing
         extra = ["--gpu-sharing", sharing] if sharing else []
-        label = f"--workers {n}" + (f" --gpu-sharing {sharing}" if sharing else "")
+        env = dict([assign.split("=", 1)]) if assign else None
+        label = f"--workers {n}" + (f" --gpu-sharing {sharing}" if sharing else "") + (f" ({assign})" if assign else "")
         d, recipe = folder(base, f"fashion_{i}_w{n}", fashion(data, trials, epochs, batch))
         timed(["run", str(recipe), "-q"], d)  # warm-up: the store, CUDA's first context, the page cache
-        wall = timed(["sweep", str(recipe), "--workers", n, *extra, "-q"], d, label if trace else None)
+        wall = timed(["sweep", str(recipe), "--workers", n, *extra, "-q"], d, label if trace else None, env)
         first = first or wall
         rows.append((f"`mpsrun sweep`, {trials} trials, {label}", wall, f"{wall / first:.2f}x" + (" (target <= 0.5x)" if i else "")))
     return rows
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--trials", type=int, default=None, help="default: 16 on cpu, 32 on cuda")
-    ap.add_argument("--workers", default="1,4", help="cuda: worker counts to compare (the first is the baseline); N:SHARING adds --gpu-sharing SHARING")
+    ap.add_argument("--workers", default="1,4", help="cuda: worker counts to compare (the first is the baseline); N:SHARING adds --gpu-sharing SHARING, N~VAR=VALUE sets VAR")
     ap.add_argument("--repeats", type=int, default=3, help="cpu: interleaved (run, sweep) pairs; medians reported")
     ap.add_argument("--trace", action="store_true", help="run the sweeps with MPSRUN_SWEEP_TRACE=1 and print each one's mean seconds per trial and phase")
     ap.add_argument("--epochs", type=int, default=2, help="cuda: epochs a trial (recipes/fashion_mlp_mps.yaml trains 10)")

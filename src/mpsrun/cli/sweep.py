@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -45,8 +46,11 @@ def sweep(
     early = drive.launch(p) if p.workers > 1 else None  # loading while this command opens the study and the parent run
     from mpsrun.sweep import worker
 
-    tracker = worker.start_tracker(p.resolved, p.tracking_uri)  # worker 0's MLflow helper: its set-up takes seconds
-    handed = [tracker]
+    # Worker 0's MLflow helper, now: its set-up takes seconds. MPSRUN_SWEEP_EARLY_HELPER=0 starts it when worker 0
+    # starts, after the study and the parent run (for measuring what starting it early buys: sweep_bench.py).
+    early_helper = os.environ.get("MPSRUN_SWEEP_EARLY_HELPER", "1") != "0"
+    tracker = worker.start_tracker(p.resolved, p.tracking_uri) if early_helper else None
+    handed = [tracker] if tracker is not None else []
     try:
         run_plan(p, quiet, early, handed)
     finally:
