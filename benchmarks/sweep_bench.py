@@ -207,6 +207,8 @@ def cuda(base: Path, trials: int, workers: list[str], trace: bool = False, epoch
         extra = ["--gpu-sharing", sharing] if sharing else []
         env = dict([assign.split("=", 1)]) if assign else None
         label = f"--workers {n}" + (f" --gpu-sharing {sharing}" if sharing else "") + (f" ({assign})" if assign else "")
+        if any(label == other.split(", run ")[0] for other in TRACES) or label in [r[0].split(", ", 1)[-1] for r in rows]:
+            label += f", run {i + 1}"  # the same command again (alternated with others against drift)
         d, recipe = folder(base, f"fashion_{i}_w{n}", fashion(data, trials, epochs, batch))
         timed(["run", str(recipe), "-q"], d)  # warm-up: the store, CUDA's first context, the page cache
         wall = timed(["sweep", str(recipe), "--workers", n, *extra, "-q"], d, label if trace else None, env)
