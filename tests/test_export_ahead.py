@@ -95,6 +95,13 @@ def test_when_an_exporter_starts(monkeypatch: pytest.MonkeyPatch, value: str, co
     assert ("for a CPU run" in why) == (value == "auto" and not gpu), why
 
 
+def test_a_misspelt_export_ahead_value_is_taken_as_auto_and_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(exporter.ENV, "yse")
+    monkeypatch.setattr(exporter, "_cores", lambda: 16)
+    started, why = exporter.wanted(accelerator=True)
+    assert started and "MPSRUN_EXPORT_AHEAD='yse' is not 1, 0 or auto: taken as auto" in why, why
+
+
 def test_a_run_whose_exporter_dies_logs_its_model_and_figures_and_says_so(work, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     """The exporter killed (SIGKILL) after the model was handed over: the run exports in its own process,
     the helper draws the figures, nothing is missing, and the run's notes and tag say what happened."""

@@ -81,12 +81,14 @@ def wanted(accelerator: bool = True) -> tuple[bool, str]:
         return True, f"{ENV}={raw}"
     if raw in ("0", "off", "false", "no"):
         return False, f"{ENV}={raw}"
+    # A value that is none of these is taken as auto, and said in the reason (tagged mpsrun.model_export), not silently.
+    bad = "" if raw == "auto" else f" ({ENV}={raw!r} is not 1, 0 or auto: taken as auto)"
     cores, need = _cores(), MIN_CORES if accelerator else MIN_CORES_CPU
     where = "" if accelerator else " for a CPU run"
     if cores >= need:
-        return True, f"auto: {cores} cores{where}"
+        return True, f"auto: {cores} cores{where}{bad}"
     return False, (f"auto: {cores} cores{where}, fewer than {need} (a third process importing torch would slow the run's "
-                   f"start more than it saves at the end; {ENV}=1 forces it)")
+                   f"start more than it saves at the end; {ENV}=1 forces it){bad}")
 
 
 class Exporter:
