@@ -21,10 +21,11 @@
 # Knobs: BATCHES ("256 64"), EPOCHS (3), N_TRAIN (30000), GRAPHS (0), BUDGET (seconds this
 # script may take, default 480: a run that would start too late to finish is skipped, said
 # in the table), RUN_TIMEOUT (150 s per run), BUCKET_SWEEP ("8 4 2": the 2-GPU run again with buckets
-# of that many MiB, MPSRUN_DDP_BUCKET_MB; default 25 as DDP), THIRD (flat | ddp | none).
+# of that many MiB, MPSRUN_DDP_BUCKET_MB; default 25 as DDP), THIRD (flat | ddp | none), ENV_SWEEP
+# ("NCCL_MAX_NCHANNELS=4 NCCL_PROTO=Simple": the 2-GPU run again with each variable set, one row each).
 set -u
 START=$SECONDS
-export THIRD=${THIRD:-flat} BUCKET_SWEEP=${BUCKET_SWEEP:-}
+export THIRD=${THIRD:-flat} BUCKET_SWEEP=${BUCKET_SWEEP:-} ENV_SWEEP=${ENV_SWEEP:-}
 DEVICE=${DEVICE:-cuda}; QUICK=${QUICK:-0}; GRAPHS=${GRAPHS:-0}; export DEVICE QUICK
 BUDGET=${BUDGET:-480}; RUN_TIMEOUT=${RUN_TIMEOUT:-150}
 OUT=${OUT:-ddp-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
@@ -65,6 +66,13 @@ for B in $BATCHES; do
   one "2gpu-b$B" batch_size=$((2 * B)) --nproc 2                  # graphs on every rank (graph_sync)
   for mb in ${BUCKET_SWEEP:-}; do  # the same 2-GPU run with other bucket sizes (MiB), one row each below the table
     MPSRUN_DDP_BUCKET_MB=$mb one "2gpu-bk$mb-b$B" batch_size=$((2 * B)) --nproc 2
+  done
+  i=0
+  for assign in ${ENV_SWEEP:-}; do  # the same 2-GPU run with one variable set (NCCL_MAX_NCHANNELS=4 ...), one row each
+    i=$((i + 1)); var=${assign%%=*}; was=${!var-__unset__}
+    export "$assign"
+    one "2gpu-env$i-b$B" batch_size=$((2 * B)) --nproc 2
+    if [ "$was" = __unset__ ]; then unset "$var"; else export "$var=$was"; fi
   done
   if [ "${THIRD:-flat}" = none ]; then :
   elif [ "${THIRD:-flat}" = ddp ]; then
@@ -120,6 +128,9 @@ for b in sys.argv[2].split():
             tg = r.data.tags
             notes.append(f"{name}: world_size={tg.get('distributed.world_size')} backend={tg.get('distributed.backend')} graphs={r.data.params.get('resolved.graphs')}")
             notes += [f"  {k}: {tg[k][:160]}" for k in sorted(tg) if k.startswith("mpsrun.note") and "graphs" in tg[k]]
+    for i, assign in enumerate(os.environ.get("ENV_SWEEP", "").split(), 1):
+        v, w = ips(f"2gpu-env{i}-b{b}")
+        notes.append(f"batch {b} per GPU, {assign}: 2 GPUs {f(v, why(w))} img/s" + (f", scaling {v / one:.3f}x" if v and one else ""))
     for mb in os.environ.get("BUCKET_SWEEP", "").split():
         v, w = ips(f"2gpu-bk{mb}-b{b}")
         notes.append(f"batch {b} per GPU, buckets of {mb} MiB: 2 GPUs {f(v, why(w))} img/s" + (f", scaling {v / one:.3f}x" if v and one else ""))
