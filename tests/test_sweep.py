@@ -340,3 +340,22 @@ def test_extra_workers_start_before_the_study_and_end_when_the_command_fails_to_
     assert _processes_naming(str(path)) == []
     parents, kids = children(work, "sw_early")
     assert parents == [] and kids == []
+
+
+def test_sigterm_while_the_workers_still_load_ends_everything_cleanly(work: Workdir) -> None:
+    """SIGTERM as soon as the extra worker exists (it loads while the command opens the study and the parent run):
+    exit 143 as for `run`, no worker, helper or daemon left behind, and no parent run left RUNNING."""
+    path = recipe(work, "t.yaml", "sw_term", "optimizer.lr: {low: 0.01, high: 0.2}", trials=4)
+    p = _mpsrun(work.path, "sweep", str(path), "--workers", "2", "-q")
+    deadline = time.monotonic() + 60
+    while not [pid for pid in _processes_naming(str(path)) if pid != p.pid] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert p.poll() is None, "the command ended before its extra worker started"
+    os.kill(p.pid, signal.SIGTERM)
+    out = p.communicate(timeout=120)[0]
+    assert p.returncode == 143, out
+    deadline = time.monotonic() + 30
+    while _processes_naming(str(path)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_naming(str(path)) == []
+    assert not [r for r in work.runs("sw_term") if r.info.status == "RUNNING"]

@@ -38,22 +38,38 @@ def sweep(
     with recipe_errors():
         p = drive.plan(resolved, trials, workers, storage, study, tracking_uri)
     require_store(tracking_uri)
+    from mpsrun.train.keep import interrupt
+
+    try:
+        # From here a SIGINT/SIGTERM ends the command cleanly (its workers, helper and daemon stopped, a parent run
+        # already open marked KILLED) with the exit code `run` gives; once the workers train, drive.run handles them.
+        with interrupt.stop_on_signals():
+            _start_and_run(p, quiet, gpu_sharing)
+    except KeyboardInterrupt as e:
+        err.print(f"[red]stopped:[/] interrupted ({getattr(e, 'name', 'SIGINT')}) before the workers trained", highlight=False)
+        raise typer.Exit(interrupt.exit_code(e)) from None
+
+
+def _start_and_run(p, quiet: bool, gpu_sharing: str) -> None:  # type: ignore[no-untyped-def]
+    """The private MPS daemon, the extra workers and worker 0's helper started first, then the sweep; all stopped after."""
+    from mpsrun.sweep import drive, worker
+
     try:
         daemon = drive.share_gpu(p, gpu_sharing)
     except ValueError as e:
         raise bad_input(str(e)) from None
-    early = drive.launch(p) if p.workers > 1 else None  # loading while this command opens the study and the parent run
-    from mpsrun.sweep import worker
-
-    # Worker 0's MLflow helper, now: its set-up takes seconds. MPSRUN_SWEEP_EARLY_HELPER=0 starts it when worker 0
-    # starts, after the study and the parent run (for measuring what starting it early buys: sweep_bench.py).
-    early_helper = os.environ.get("MPSRUN_SWEEP_EARLY_HELPER", "1") != "0"
-    tracker = worker.start_tracker(p.resolved, p.tracking_uri) if early_helper else None
-    handed = [tracker] if tracker is not None else []
+    early = tracker = None
+    handed: list = []  # type: ignore[type-arg]
     try:
+        early = drive.launch(p) if p.workers > 1 else None  # loading while this command opens the study and the parent run
+        # Worker 0's MLflow helper, now: its set-up takes seconds. MPSRUN_SWEEP_EARLY_HELPER=0 starts it when worker 0
+        # starts, after the study and the parent run (for measuring what starting it early buys: sweep_bench.py).
+        if os.environ.get("MPSRUN_SWEEP_EARLY_HELPER", "1") != "0":
+            tracker = worker.start_tracker(p.resolved, p.tracking_uri)
+            handed.append(tracker)
         run_plan(p, quiet, early, handed)
     finally:
-        if handed:  # the command ended before worker 0 took it over
+        if handed and tracker is not None:  # the command ended before worker 0 took it over
             tracker.close(wait=False)
         if early is not None:
             early.abandon()
@@ -66,15 +82,28 @@ def sweep(
 
 def run_plan(p, quiet: bool, early=None, handed: Optional[list] = None) -> None:  # type: ignore[no-untyped-def,type-arg]
     """Open the study and its parent run, run the workers, print progress and the result; exits with its code."""
-    import time
-
-    from mpsrun.sweep import drive, parent, results, storage
+    from mpsrun.sweep import drive, parent, storage
 
     try:
         study = drive.create_study(p)
     except Exception as e:  # noqa: BLE001 - a database that does not answer, a journal we cannot write
         raise bad_input(f"cannot open the Optuna storage {storage.shown(p.storage_url)}: {type(e).__name__}: {e}") from None
     opened = parent.open_parent(p.resolved, study, p.storage_url, p.target, p.tracking_uri)
+    parent_id = opened.run_id
+    began: list[bool] = []
+    try:
+        _run_opened(p, quiet, early, handed, study, opened, began)
+    except KeyboardInterrupt:  # a signal before the workers began (drive.run handles those after): the parent is not left RUNNING
+        if opened.generation is not None and not began:
+            parent.close(p.tracking_uri, parent_id, "KILLED", opened.generation)
+        raise
+
+
+def _run_opened(p, quiet: bool, early, handed, study, opened, began: list) -> None:  # type: ignore[no-untyped-def,type-arg]
+    import time
+
+    from mpsrun.sweep import drive, parent, results, storage
+
     parent_id, new = opened.run_id, opened.new
     before = results.summarise(p.resolved, study)
     sw = p.resolved.recipe.sweep
@@ -109,6 +138,7 @@ def run_plan(p, quiet: bool, early=None, handed: Optional[list] = None) -> None:
         )
 
     tracker = handed.pop() if handed else None  # worker 0 owns (and closes) the helper started for it
+    began.append(True)
     out = drive.run(p, study, parent_id, on_end, opened.generation, early, tracker)
     # Every record is written (worker 0's MLflow helper answered `finish`, the other workers have exited, the parent's
     # writes were direct): the command ends without Python's teardown of torch and CUDA (2.4 s on 2 cores and on the H100).
@@ -125,7 +155,7 @@ def run_plan(p, quiet: bool, early=None, handed: Optional[list] = None) -> None:
     )
     if s.best_value is not None:
         console.print(f"best: {sw.metric} {s.best_value:.6g}  trial {s.best_number}  {_values(s.best_values)}  (run {s.best_run_id})", highlight=False, soft_wrap=True)
-        console.print(f"best recipe: the parent run's best_recipe.yaml (mpsrun run it to train the best trial again)", highlight=False)
+        console.print("best recipe: the parent run's best_recipe.yaml (mpsrun run it to train the best trial again)", highlight=False)
     console.print(f"MLflow: parent run {parent_id}  (browse: mpsrun ui; continue: mpsrun resume {parent_id})", highlight=False)
     if out.message:
         err.print(f"[red]{'error' if out.exit_code == 2 else 'stopped'}:[/] {out.message}", highlight=False, soft_wrap=True)
