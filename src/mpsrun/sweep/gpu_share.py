@@ -4,7 +4,7 @@ Why: without NVIDIA's Multi-Process Service (MPS), kernels of different processe
 GPU; the driver gives each process's queue the whole GPU in turn (time-slicing). A small model whose step
 keeps the GPU busy (the fashion MLP under CUDA graphs: about 75% of the time) then gains little from more
 workers. Measured on one H100 (`benchmarks/sweep_share_gpu.sh`, 32 trials of the shipped fashion recipe,
-10 epochs each): 4 workers took 0.87x the wall time of one taking turns, 0.68x under MPS (0.50-0.62x once
+10 epochs each): 4 workers took 0.87x the wall time of one taking turns, 0.68x under MPS (0.50-0.67x once
 the workers started first). Reading the driver's files keeps torch out of the launching command's path: no
 CUDA context is made to ask. Below: the private daemon `--gpu-sharing auto` starts, so a user gets MPS
 without knowing about it, and nothing outside the sweep is changed by it.
