@@ -46,7 +46,7 @@ def sweep(
         with interrupt.stop_on_signals():
             _start_and_run(p, quiet, gpu_sharing)
     except KeyboardInterrupt as e:
-        err.print(f"[red]stopped:[/] interrupted ({getattr(e, 'name', 'SIGINT')}) before the workers trained", highlight=False)
+        err.print(f"[red]stopped:[/] interrupted ({getattr(e, 'name', 'SIGINT')})", highlight=False)
         raise typer.Exit(interrupt.exit_code(e)) from None
 
 
