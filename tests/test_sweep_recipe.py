@@ -65,6 +65,14 @@ def test_bad_sweep_section_exits_2_naming_the_line(work, param, metric, sampler,
     assert not (work.path / "mlruns" / "optuna.journal").exists()  # nothing started, not even the study
 
 
+def test_a_bad_gpu_sharing_value_exits_2_before_anything_starts(work) -> None:
+    path = work.write("gs.yaml", BASE.format(param="optimizer.lr: {low: 0.01, high: 0.1}", metric="val_loss", sampler="tpe"))
+    r = work.cli("sweep", str(path), "--workers", "2", "--gpu-sharing", "mps")
+    assert r.exit_code == 2, r.output
+    assert "--gpu-sharing 'mps': choose one of auto, nvidia-mps, time-slicing" in r.output and "Traceback" not in r.output
+    assert work.runs("sweepbad") == []  # no parent run, no trial
+
+
 def test_metric_the_task_never_logs_exits_2_before_training(work) -> None:
     """val_r2 is a metric some runs log (regression), not this classification one: found once the data is known."""
     path = work.write("r2.yaml", BASE.format(param="optimizer.lr: {low: 0.01, high: 0.1}", metric="val_r2", sampler="tpe"))
