@@ -132,13 +132,14 @@ def start_tracker(resolved: Resolved, tracking_uri: str | None) -> Any:
     (importing mlflow, opening the store) took 6-11 s on the H100 machine with four workers starting at
     once, so the launching command starts worker 0's first thing, before its study and parent run.
     """
+    from mpsrun.recipe.sweep import trial_recipe
     from mpsrun.track.helper import background
     from mpsrun.track.store import client as store
 
     uri, artifact_root = store.resolve_uri(tracking_uri)
     experiment = resolved.recipe.tracking.experiment or resolved.path.stem
-    tracking = {**(resolved.source.data.get("tracking") or {}), **{k.split(".", 1)[1]: v for k, v in trial_defaults(resolved).items() if k.startswith("tracking.")}}
-    ends_light = not tracking.get("log_model", True) and not tracking.get("figures", True)  # the trials' default
+    trials = trial_recipe(resolved, trial_defaults(resolved)).recipe.tracking  # what every trial's run records
+    ends_light = not trials.log_model and not trials.figures  # the trials' default
     return background.start(uri, experiment, artifact_root, device=resolved.recipe.device, keep_open=True,
                             warm="begin" if ends_light else None)
 
