@@ -131,26 +131,14 @@ class Early:
     sent: bool = False
 
     def send(self, job: Job) -> None:
-        line = (job.to_json() + "\n").encode()
-        for proc in self.procs:
-            try:
-                assert proc.stdin is not None
-                proc.stdin.write(line)
-                proc.stdin.close()
-            except (OSError, ValueError):  # a worker that already ended (its exit code says why)
-                pass
+        self._end_input((job.to_json() + "\n").encode())
         self.sent = True
 
     def abandon(self) -> None:
         """The command ends before the workers had their job (bad input, a signal): end them now."""
         if self.sent:
             return
-        for proc in self.procs:
-            try:
-                assert proc.stdin is not None
-                proc.stdin.close()  # at end of input a worker that is ready ends without a trial
-            except (OSError, ValueError):
-                pass
+        self._end_input()  # at end of input a worker that is ready ends without a trial
         _signal(self.procs, signal.SIGTERM)  # one still loading is stopped (its MLflow helper ends with it)
         _wait(self.procs, 30.0)
         for fd in self.pipes:
@@ -159,6 +147,17 @@ class Early:
             except OSError:
                 pass
         self.sent = True
+
+    def _end_input(self, line: bytes = b"") -> None:
+        """Each worker's stdin closed, after `line` where there is one (the job)."""
+        for proc in self.procs:
+            try:
+                assert proc.stdin is not None
+                if line:
+                    proc.stdin.write(line)
+                proc.stdin.close()
+            except (OSError, ValueError):  # a worker that already ended (its exit code says why)
+                pass
 
 
 def launch(p: Plan) -> Early:

@@ -29,8 +29,24 @@ def mps_running() -> bool:
     return os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control"))
 
 
-def note(workers: int, device: str, proc: str = PROC) -> Optional[str]:
-    """The note for `workers` sharing the recipe's `device`, or None when each has its own GPU (or uses none)."""
+@dataclass(frozen=True)
+class Sharing:
+    """How `workers` share the NVIDIA GPUs the recipe's device names: what `note()` words and `arrange()` decides from."""
+
+    workers: int
+    gpus: int  # visible to the sweep
+    per_gpu: int  # the most workers on one GPU (> 1)
+    mps: bool  # an MPS daemon answers: their kernels run at once
+
+    def who(self) -> str:
+        """The first words of the note: how many workers on how many GPUs."""
+        if self.per_gpu == self.workers:
+            return f"{self.workers} workers share one GPU"
+        return f"{self.workers} workers on {self.gpus} GPUs: up to {self.per_gpu} share each"
+
+
+def sharing_of(workers: int, device: str, proc: str = PROC) -> Optional[Sharing]:
+    """How `workers` share the recipe's `device`, or None when each has its own GPU (or uses none)."""
     if workers <= 1 or device not in ("auto", "cuda") and not device.startswith("cuda:"):
         return None
     n = visible_gpus(proc)
@@ -39,11 +55,31 @@ def note(workers: int, device: str, proc: str = PROC) -> Optional[str]:
     per = -(-workers // n) if device in ("auto", "cuda") else workers  # worker i takes cuda:(i % n); a pinned device: all on it
     if per <= 1:
         return None  # a GPU each
-    who = f"{workers} workers share one GPU" if per == workers else f"{workers} workers on {n} GPUs: up to {per} share each"
-    if mps_running():
-        return f"{who} through NVIDIA MPS: their kernels run at once"
-    return (f"{who} and take turns on it (time-slicing: kernels of different processes never run at once); "
+    return Sharing(workers, n, per, mps_running())
+
+
+def at_once(s: Sharing, how: str = "through NVIDIA MPS") -> str:
+    """The note where MPS runs: the workers' kernels run at once."""
+    return f"{s.who()} {how}: their kernels run at once"
+
+
+def taking_turns(s: Sharing) -> str:
+    """The note's first sentence where no MPS runs: the workers take turns."""
+    return f"{s.who()} and take turns on it (time-slicing: kernels of different processes never run at once)"
+
+
+def words(s: Sharing) -> str:
+    """The note on screen and in the parent run's notes."""
+    if s.mps:
+        return at_once(s)
+    return (f"{taking_turns(s)}; "
             "NVIDIA MPS lets them (`--gpu-sharing auto` starts it where `nvidia-cuda-mps-control` is installed; README, Sweeps)")
+
+
+def note(workers: int, device: str, proc: str = PROC) -> Optional[str]:
+    """The note for `workers` sharing the recipe's `device`, or None when each has its own GPU (or uses none)."""
+    s = sharing_of(workers, device, proc)
+    return None if s is None else words(s)
 
 
 # --- a private MPS daemon for the sweep's workers -------------------------------------------------------------
@@ -103,15 +139,12 @@ def _finish(exe: str, folder: str) -> str:
     return f"echo quit | '{exe}'; rm -rf '{folder}'"
 
 
-def wanted(sharing: str, workers: int, device: str, proc: str = PROC) -> bool:
-    """Whether to start a daemon: workers would share an NVIDIA GPU, none runs, and the user did not say time-slicing."""
-    if sharing == "time-slicing" or mps_running():
-        return False
-    note_now = note(workers, device, proc)
-    return note_now is not None and "take turns" in note_now
+def wanted(sharing: str, s: Sharing) -> bool:
+    """Whether to start a daemon for workers sharing an NVIDIA GPU: none runs, and the user did not say time-slicing."""
+    return sharing != "time-slicing" and not s.mps
 
 
-def start(probe: Optional[str] = None, timeout_s: float = 30.0) -> "Daemon | str":
+def start(timeout_s: float = 30.0) -> "Daemon | str":
     """A private daemon started and checked with a CUDA context, or why not (the sweep then takes turns, and says so)."""
     exe = shutil.which(CONTROL)
     if exe is None:
@@ -136,7 +169,7 @@ def start(probe: Optional[str] = None, timeout_s: float = 30.0) -> "Daemon | str
         daemon.watchdog = subprocess.Popen(
             ["sh", "-c", f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 1; done; {_finish(exe, folder)}"],
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        p = subprocess.run([sys.executable, "-c", PROBE if probe is None else probe], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        p = subprocess.run([sys.executable, "-c", PROBE], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True, timeout=timeout_s)
         if p.returncode != 0:
             log = _tail(os.path.join(env["CUDA_MPS_LOG_DIRECTORY"], "server.log")) or _tail(os.path.join(env["CUDA_MPS_LOG_DIRECTORY"], "control.log"))
@@ -163,11 +196,14 @@ def arrange(sharing: str, workers: int, device: str, proc: str = PROC) -> "tuple
 
     `nvidia-mps` that cannot start is an error (exit 2, raised as ValueError); `auto` falls back to taking turns, said.
     """
-    if not wanted(sharing, workers, device, proc):
-        return None, note(workers, device, proc)
+    s = sharing_of(workers, device, proc)
+    if s is None:
+        return None, None  # a GPU each, or none
+    if not wanted(sharing, s):
+        return None, words(s)
     got = start()
     if isinstance(got, Daemon):
-        return got, note(workers, device, proc).replace("through NVIDIA MPS", "through NVIDIA MPS (a daemon this sweep started and stops at its end)")
+        return got, at_once(s, "through NVIDIA MPS (a daemon this sweep started and stops at its end)")
     if sharing == "nvidia-mps":
         raise ValueError(f"--gpu-sharing nvidia-mps: NVIDIA MPS could not start: {got}")
-    return None, note(workers, device, proc).split(";")[0] + f"; NVIDIA MPS, which lets them run at once, could not start: {got} (--gpu-sharing time-slicing to not try)"
+    return None, taking_turns(s) + f"; NVIDIA MPS, which lets them run at once, could not start: {got} (--gpu-sharing time-slicing to not try)"
