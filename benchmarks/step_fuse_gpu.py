@@ -13,13 +13,16 @@ steps, as train/loop/steps.py does, in variants that change one thing at a time:
 - addcmul: the uint8 batch straight into addcmul (no separate cast kernel);
 - lt: cuBLASLt preferred for the GEMMs (`torch.backends.cuda.preferred_blas_library`);
 - tf32: TF32 tensor-core GEMMs (for scale only: an fp32 recipe keeps fp32 GEMMs);
+- mlp: each Linear (+ ReLU) one Triton kernel forward and one backward (train/loop/fused_linear.py),
+  `mlp:NAME[@P]` with one of TILES' tile sizes (and about P programs for a split forward); `mlp3` the same with three TF32 tensor-core products
+  (Triton's tf32x3) instead of IEEE fp32 FMAs, for scale;
 - combinations.
 
 Prints microseconds per step, the ratio to ref, the largest parameter difference from ref
 after the same replays (same data, same order), and with --profile the CUDA kernels of ref
 and the best variant.
 
-    python benchmarks/step_fuse_gpu.py [--rounds 5] [--replays 200] [--profile]
+    python benchmarks/step_fuse_gpu.py [--rounds 5] [--replays 200] [--profile] [--batch 64]
 """
 
 from __future__ import annotations
@@ -36,6 +39,23 @@ from torch import nn
 sys.path.insert(0, "src")
 
 K, B = 16, 64
+
+# fused_linear tile sizes to try: forward (rows, outputs, reduction, warps), weight gradient, input gradient
+TILES = {
+    "a": ((16, 32, 32, 2), (32, 64, 16, 4), (16, 32, 32, 2)),
+    "b": ((16, 16, 64, 2), (64, 64, 16, 4), (16, 16, 64, 2)),
+    "c": ((32, 32, 32, 4), (32, 32, 32, 4), (32, 32, 32, 4)),
+    "d": ((16, 64, 32, 4), (64, 32, 16, 4), (16, 64, 32, 4)),
+    "e": ((16, 16, 32, 1), (32, 32, 16, 2), (16, 16, 32, 1)),
+    "f": ((32, 16, 32, 2), (32, 64, 32, 4), (32, 16, 32, 2)),
+    "g": ((16, 32, 64, 4), (32, 64, 32, 4), (16, 32, 64, 4)),
+    "h": ((32, 64, 32, 4), (64, 64, 32, 8), (32, 64, 32, 4)),
+    "i": ((16, 16, 128, 4), (16, 64, 64, 4), (16, 16, 128, 4)),
+    "j": ((16, 32, 32, 2), (64, 64, 16, 4), (16, 16, 64, 2)),
+    "k": ((16, 16, 32, 1), (64, 64, 16, 4), (16, 16, 64, 2)),
+    "l": ((32, 32, 32, 4), (64, 64, 16, 4), (16, 16, 64, 2)),
+    "m": ((16, 16, 64, 2), (64, 64, 16, 4), (16, 16, 64, 2)),
+}
 
 
 class LinearReLU(nn.Linear):
@@ -88,9 +108,22 @@ def build(variant: str, dev: torch.device) -> tuple[Callable[[], None], Any]:
             loss_sum.add_(loss.detach().float(), alpha=B)
             return loss
 
+    forward: Callable[[torch.Tensor], torch.Tensor] = model
+    if "mlp" in variant:
+        from mpsrun.train.loop import fused_linear as fl
+
+        name = variant.split(":")[1] if ":" in variant else "a"  # mlp:NAME[@PROGRAMS]
+        name, _, programs = name.partition("@")
+        fl.PROGRAMS = int(programs or 256)
+        tiles = TILES[name]
+        for d, t in zip((fl.FWD, fl.BWD_W, fl.BWD_X), tiles):
+            d.update(zip(("BM", "BN", "BK", "warps") if d is not fl.BWD_W else ("BN", "BK", "BM", "warps"), t))
+        fl.PRECISION = "tf32x3" if "mlp3" in variant else "ieee"
+        forward = fl.plan(model)
+
     def step(j: int) -> None:
         x = torch.addcmul(b, xs[j], a) if "addcmul" in variant else xs[j].float() * a + b
-        loss = loss_fn(model(x), ys[j])
+        loss = loss_fn(forward(x), ys[j])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -122,7 +155,11 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--variants", default="ref,addcmul,ce,ce+addcmul,lt,ce+addcmul+lt,tf32")
     ap.add_argument("--out")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--profile-also", default="", help="more variants to profile with --profile (comma-separated)")
     a = ap.parse_args()
+    global B
+    B = a.batch
     dev = torch.device("cuda")
     names = a.variants.split(",")
     graphs: dict[str, Any] = {}
@@ -166,7 +203,7 @@ def main() -> int:
         from torch.profiler import ProfilerActivity, profile
 
         best = min(ok, key=lambda n: statistics.median(times[n]))
-        for n in dict.fromkeys(["ref", best]):
+        for n in dict.fromkeys(["ref", best, *filter(None, a.profile_also.split(","))]):
             if n not in graphs:
                 continue
             torch.cuda.synchronize()

@@ -9,6 +9,7 @@ Everything skipped or switched off comes back as a note: printed and tagged.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +113,9 @@ def build(recipe: Recipe, splits: DataSplits, model: nn.Module, optimizer: torch
     note = loss.fuse(device, recipe.batch_size, splits.num_classes)  # CUDA cross-entropy: one kernel each way
     if note:
         out.notes.append(note)
+    note = _fuse_layers(model, device, options, recipe.batch_size)
+    if note:
+        out.notes.append(note)
     if recipe.scheduler is not None and options.graphs:
         how = schedulers.tensor_lr(optimizer, device)
         out.notes.append(f"scheduler: the learning rate is a device tensor the CUDA graphs read; {how}")
@@ -155,3 +159,18 @@ def _check_monitor(where: str, name: str, objective: Objective) -> None:
     names = metric_names(objective)
     if name not in names:
         raise ControlError(f"{where}: '{name}' is not a metric of this run{did_you_mean(name, names)}; available: {', '.join(names)}")
+
+
+def _fuse_layers(model: nn.Module, device: torch.device, options: Options, batch_size: int) -> str:
+    """Turn on the fused Linear (+ ReLU) kernels where they apply; the note says why not where a user would expect them."""
+    if device.type != "cuda":
+        return ""
+    from mpsrun.train.loop import fused_linear
+
+    why = fused_linear.why_not(model, device, options.precision, options.graphs, options.compile, batch_size)
+    if why is None and os.environ.get("MPSRUN_FUSED_LINEAR", "1").strip().lower() in ("0", "false", "no", "off"):
+        why = "MPSRUN_FUSED_LINEAR=0"
+    if why is None:
+        options.fused_linear = True
+        return ""
+    return f"layers: torch's Linear kernels, not the fused ones ({why})" if why else ""

@@ -33,6 +33,7 @@ class Options:
     graphs: bool = False
     log_every: int = 0
     cudnn_benchmark: bool = False
+    fused_linear: bool = False  # an MLP's Linear (+ ReLU) layers as Triton kernels inside the graphs (fused_linear.py)
     notes: list[str] = field(default_factory=list)  # fallbacks and skipped optimisations
 
     def as_params(self) -> dict[str, str]:
@@ -42,6 +43,7 @@ class Options:
             "resolved.compile": str(self.compile).lower(),
             "resolved.graphs": str(self.graphs).lower(),
             "resolved.cudnn_benchmark": str(self.cudnn_benchmark).lower(),
+            "resolved.fused_linear": str(self.fused_linear).lower(),
         }
 
 
@@ -59,6 +61,7 @@ class Trainer:
         train_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.model = model
+        self.forward: Callable[[torch.Tensor], torch.Tensor] = model  # the training step's forward (GraphTrainer may fuse it)
         self.optimizer = optimizer
         self.device = device
         self.options = options
@@ -91,7 +94,7 @@ class Trainer:
         """One micro-batch; the optimizer steps on the `last` of an accumulation group (see objective.py)."""
         x = self.prepare(x, train=True)
         with self.autocast(cache):
-            loss = self.objective.loss.summed(self.model(x), y, self.loss_sum)  # the epoch's sum gets mean * len(y)
+            loss = self.objective.loss.summed(self.forward(x), y, self.loss_sum)  # the epoch's sum gets mean * len(y)
         if first:
             self.optimizer.zero_grad(set_to_none=True)
         scaled = loss if weight == 1.0 else loss * weight
@@ -160,6 +163,10 @@ class GraphTrainer(Trainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        if self.options.fused_linear:  # fused layers only where they are replayed: a Triton launch from Python costs more
+            from mpsrun.train.loop import fused_linear
+
+            self.forward = fused_linear.plan(self.model)
         self.graphs: dict[tuple[str, int, int, float], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = None
 
@@ -170,6 +177,9 @@ class GraphTrainer(Trainer):
         sx = x[: k * b].reshape(k, b, *x.shape[1:]).clone()
         sy = y[: k * b].reshape(k, b).clone()
         step = functools.partial(self.train_step, weight=w) if kind == "train" else self.val_step
+        check = getattr(self.forward, "check", None)
+        if kind == "train" and check is not None:
+            check(b)  # fused layers: the same answers as torch's at this batch size, or Mismatch (torch's kernels then)
         snapshot = snapshot_state(self.model, self.optimizer, self.accumulators())
         try:
             with torch.no_grad() if kind == "val" else contextlib.nullcontext():
