@@ -145,7 +145,9 @@ def build(variant: str, dev: torch.device) -> tuple[Callable[[], None], Any]:
     with torch.cuda.graph(g):
         for j in range(K):
             step(j)
-    return g.replay, (g, model, opt, loss_sum, xs, ys)
+    # everything the graph reads stays alive with it (a, b and the fused layers' counters were freed here once:
+    # the last-built variant then replayed on reused memory and did not train)
+    return g.replay, (g, model, opt, loss_sum, xs, ys, a, b, forward, lr)
 
 
 def main() -> int:

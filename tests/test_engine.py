@@ -148,6 +148,7 @@ def test_cuda_graphs_match_eager_exactly(optimizer: str) -> None:
     assert graphed_setup.options.graphs
     graphed = _train(graphed_setup)
     assert graphed_setup.options.graphs, graphed_setup.options.notes  # no fallback happened
+    assert graphed_setup.options.fused_linear, graphed_setup.options.notes  # the MLP's layers replayed as fused kernels
     for e, g in zip(eager.epochs, graphed.epochs):
         assert g.train_loss == pytest.approx(e.train_loss, rel=1e-4, abs=1e-5)
         assert g.val_accuracy == pytest.approx(e.val_accuracy, abs=2e-3)

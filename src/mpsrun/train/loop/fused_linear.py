@@ -132,7 +132,7 @@ def _build() -> dict[str, Any]:
     return _kernels
 
 
-def _forward(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], relu: bool) -> torch.Tensor:
+def _forward(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], relu: bool, site: Optional[dict] = None) -> torch.Tensor:
     k = _build()
     m, kin = x.shape
     n = w.shape[0]
@@ -141,7 +141,7 @@ def _forward(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], relu: 
     tiles_m, tiles_n = k["cdiv"](m, c["BM"]), k["cdiv"](n, c["BN"])
     split, k_per = split_k(tiles_m * tiles_n, kin, c["BK"])
     parts = torch.empty((split, m, n), device=x.device, dtype=torch.float32) if split > 1 else y
-    counts = _counters(x.device, tiles_m * tiles_n) if split > 1 else y
+    counts = _counters(site, x.device, tiles_m * tiles_n) if split > 1 else y
     k["fwd"][(tiles_m, tiles_n, split)](x, w, b if b is not None else w, y, parts, counts, m, n, kin, x.stride(0), w.stride(0), k_per,
                                         HAS_BIAS=b is not None, RELU=relu, BM=c["BM"], BN=c["BN"], BK=c["BK"], SPLIT=split,
                                         PREC=PRECISION, num_warps=c["warps"])
@@ -155,15 +155,20 @@ def split_k(tiles: int, k: int, bk: int) -> tuple[int, int]:
     return -(-k // per), per
 
 
-_counts: dict[tuple[str, int], torch.Tensor] = {}
+_SITES: list[dict] = []  # every call site's counters (a few int32 per layer of each planned model)
 
 
-def _counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed per-tile counters that the kernel leaves zeroed: made once (before capture, by the warm-up steps)."""
-    key = (str(device), tiles)
-    if key not in _counts:
-        _counts[key] = torch.zeros(tiles, device=device, dtype=torch.int32)
-    return _counts[key]
+def _counters(site: Optional[dict], device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed per-tile counters that the kernel leaves zeroed, one buffer per call site (a layer of a planned
+    forward) and tile count, made at its first call (the warm-up before capture); without a site, new ones.
+
+    Not shared between layers or models: no two kernels, of one graph or of two, ever count in the same buffer.
+    """
+    if site is None:
+        return torch.zeros(tiles, device=device, dtype=torch.int32)
+    if tiles not in site:
+        site[tiles] = torch.zeros(tiles, device=device, dtype=torch.int32)
+    return site[tiles]
 
 
 def _backward(g: torch.Tensor, y: Optional[torch.Tensor], x: torch.Tensor, w: torch.Tensor, has_bias: bool, in_relu: bool, want_x: bool) -> tuple[Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]:
@@ -191,8 +196,8 @@ def _backward(g: torch.Tensor, y: Optional[torch.Tensor], x: torch.Tensor, w: to
 
 class _LinearAct(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], relu: bool, in_relu: bool) -> torch.Tensor:  # type: ignore[override]
-        y = _forward(x, w, b, relu)
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], relu: bool, in_relu: bool, site: Optional[dict] = None) -> torch.Tensor:  # type: ignore[override]
+        y = _forward(x, w, b, relu, site)
         ctx.save_for_backward(x, w, y if relu else None)
         ctx.flags = (b is not None, in_relu)
         return y
@@ -202,10 +207,10 @@ class _LinearAct(torch.autograd.Function):
         x, w, y = ctx.saved_tensors
         has_bias, in_relu = ctx.flags
         gx, gw, gb = _backward(g, y, x, w, has_bias, in_relu, want_x=ctx.needs_input_grad[0])
-        return gx, gw, gb, None, None
+        return gx, gw, gb, None, None, None
 
 
-def linear(x: torch.Tensor, layer: nn.Linear, relu: bool = False, in_relu: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, layer: nn.Linear, relu: bool = False, in_relu: bool = False, site: Optional[dict] = None) -> torch.Tensor:
     """`relu(layer(x))` (or `layer(x)`), fused; `in_relu` when x is a ReLU's output, whose mask backward then applies.
 
     Falls back to torch's ops for inputs the kernels are not for (not 2-D fp32 CUDA, too many rows).
@@ -215,7 +220,7 @@ def linear(x: torch.Tensor, layer: nn.Linear, relu: bool = False, in_relu: bool 
         return torch.relu(y) if relu else y
     if x.stride(1) != 1:
         x = x.contiguous()
-    return _LinearAct.apply(x, layer.weight, layer.bias, relu, in_relu)
+    return _LinearAct.apply(x, layer.weight, layer.bias, relu, in_relu, site)
 
 
 def fits(x: torch.Tensor, layer: nn.Linear) -> bool:
@@ -267,6 +272,7 @@ class Planned:
         self.layers: list[tuple[nn.Linear, bool, bool]] = []  # (layer, ReLU after it, its input a ReLU's output)
         self.steps: list[Callable[[torch.Tensor, bool], tuple[torch.Tensor, bool]]] = []
         self.checked: set[int] = set()
+        self.sites: list[dict] = []
         mods = list(model)
         i, after = 0, False
         while i < len(mods):
@@ -274,7 +280,10 @@ class Planned:
             if type(m) is nn.Linear:
                 relu = i + 1 < len(mods) and type(mods[i + 1]) is nn.ReLU
                 self.layers.append((m, relu, after))
-                self.steps.append(lambda x, after_relu, m=m, relu=relu: (linear(x, m, relu=relu, in_relu=after_relu), relu))
+                site: dict = {}  # this layer's split-K counters
+                self.sites.append(site)
+                _SITES.append(site)  # kept for the process's life: a graph may outlive this plan and still count in them
+                self.steps.append(lambda x, after_relu, m=m, relu=relu, site=site: (linear(x, m, relu=relu, in_relu=after_relu, site=site), relu))
                 after = relu
                 i += 2 if relu else 1
             else:
