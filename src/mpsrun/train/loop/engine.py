@@ -124,7 +124,7 @@ def _capture_or_eager(trainer: "GraphTrainer", plan: BatchPlan, listener: Listen
             trainer.options.notes.append(note)
             trainer.options.fused_linear = False
             listener.on_note(note)
-            trainer.forward = trainer.model
+            trainer.fused = None
             trainer.graphs.clear()
             trainer.pool = None
             return _capture_or_eager(trainer, plan, listener)

@@ -61,7 +61,7 @@ class Trainer:
         train_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.model = model
-        self.forward: Callable[[torch.Tensor], torch.Tensor] = model  # the training step's forward (GraphTrainer may fuse it)
+        self.fused: Callable[[torch.Tensor], torch.Tensor] | None = None  # GraphTrainer's fused layers (fused_linear.py)
         self.optimizer = optimizer
         self.device = device
         self.options = options
@@ -72,6 +72,12 @@ class Trainer:
         self.train_transform = train_transform  # training batches only (augmentation); None: `transform`
         self.objective = objective or Objective.default(device)  # loss, metrics, clipping, accumulation
         self.correct = self.objective.metrics.correct  # classification's correct-count (kept by name)
+
+    @property
+    def forward(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The training step's forward: the fused layers' plan where there is one, else the model (as it is now:
+        a fallback from compile swaps the model, and must not leave a stale forward behind)."""
+        return self.fused if self.fused is not None else self.model
 
     def accumulators(self) -> tuple[torch.Tensor, ...]:
         """Every device-side sum a step adds to (warm-up and compile probes restore them)."""
@@ -166,7 +172,7 @@ class GraphTrainer(Trainer):
         if self.options.fused_linear:  # fused layers only where they are replayed: a Triton launch from Python costs more
             from mpsrun.train.loop import fused_linear
 
-            self.forward = fused_linear.plan(self.model)
+            self.fused = fused_linear.plan(self.model)
         self.graphs: dict[tuple[str, int, int, float], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = None
 
