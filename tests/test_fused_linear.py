@@ -172,6 +172,12 @@ def test_why_not_names_each_reason_and_stays_quiet_where_nothing_is_expected() -
     mlp = nn.Sequential(nn.Flatten(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     assert fused_linear.why_not(mlp, torch.device("cpu"), "fp32", True, False, 64) == ""
     assert fused_linear.why_not(nn.Conv2d(1, 1, 3), cuda, "fp32", True, False, 64) == ""  # no Linear layers to fuse
+
+    class Scaled(nn.Sequential):  # a plugin's Sequential with its own forward: walking its children would skip it
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x * 2)
+
+    assert fused_linear.why_not(Scaled(nn.Linear(4, 2)), cuda, "fp32", True, False, 64) == ""
     assert "precision bf16" in fused_linear.why_not(mlp, cuda, "bf16", True, False, 64)
     assert "graphs are off" in fused_linear.why_not(mlp, cuda, "fp32", False, False, 64)
     assert "compile" in fused_linear.why_not(mlp, cuda, "fp32", True, True, 64)

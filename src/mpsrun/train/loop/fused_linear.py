@@ -97,7 +97,7 @@ def _build() -> dict[str, Any]:
                 g = tl.load(g_ptr + rm[:, None] * sg + rn[None, :], mask=gmask, other=0.0)
                 if RELU:
                     y = tl.load(y_ptr + rm[:, None] * N + rn[None, :], mask=gmask, other=0.0)
-                    g = tl.where(y <= 0.0, 0.0, g)  # torch's threshold_backward on the output
+                    g = tl.where(y > 0.0, g, 0.0)  # torch's threshold_backward on the output (NaN included)
                 x = tl.load(x_ptr + rm[:, None] * sx + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
                 acc = tl.dot(tl.trans(g), x, acc, input_precision=PREC)
                 if HAS_BIAS:
@@ -119,13 +119,13 @@ def _build() -> dict[str, Any]:
                     xg = tl.load(g_ptr + xm[:, None] * sg + xn[None, :], mask=xgmask, other=0.0)
                     if RELU:
                         xy = tl.load(y_ptr + xm[:, None] * N + xn[None, :], mask=xgmask, other=0.0)
-                        xg = tl.where(xy <= 0.0, 0.0, xg)
+                        xg = tl.where(xy > 0.0, xg, 0.0)
                     xw = tl.load(w_ptr + xn[:, None] * sw + xk[None, :], mask=(xn[:, None] < N) & (xk[None, :] < K), other=0.0)
                     xacc = tl.dot(xg, xw, xacc, input_precision=PREC)
                 xmask = (xm[:, None] < M) & (xk[None, :] < K)
                 if IN_RELU:
                     xin = tl.load(x_ptr + xm[:, None] * sx + xk[None, :], mask=xmask, other=0.0)
-                    xacc = tl.where(xin <= 0.0, 0.0, xacc)
+                    xacc = tl.where(xin > 0.0, xacc, 0.0)
                 tl.store(gx_ptr + xm[:, None] * K + xk[None, :], xacc, mask=xmask)
 
     _kernels.update(fwd=linear_fwd, bwd=linear_bwd, cdiv=triton.cdiv)
@@ -241,6 +241,8 @@ def why_not(model: nn.Module, device: torch.device, precision: str, graphs: bool
     note is for runs where a user would expect the fused layers and does not get them.
     """
     if device.type != "cuda" or not isinstance(model, nn.Sequential) or not any(type(m) is nn.Linear for m in model):
+        return ""
+    if type(model).forward is not nn.Sequential.forward:  # a subclass with its own forward: the plan would skip it
         return ""
     if precision != "fp32":
         return f"precision {precision} (the fused layers are exact fp32)"
