@@ -19,6 +19,7 @@ the plain modules. Triton is imported only here, only on CUDA.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 import torch
@@ -272,11 +273,11 @@ class Planned:
 
     def __init__(self, model: nn.Sequential) -> None:
         self.layers: list[tuple[nn.Linear, bool, bool]] = []  # (layer, ReLU after it, its input a ReLU's output)
-        self.steps: list[Callable[[torch.Tensor, bool], tuple[torch.Tensor, bool]]] = []
+        self.steps: list[Callable[[torch.Tensor], torch.Tensor]] = []
         self.checked: set[int] = set()
         self.sites: list[dict] = []
         mods = list(model)
-        i, after = 0, False
+        i, after = 0, False  # after: the next module's input is a ReLU's output (a Flatten passes that on)
         while i < len(mods):
             m = mods[i]
             if type(m) is nn.Linear:
@@ -285,18 +286,17 @@ class Planned:
                 site: dict = {}  # this layer's split-K counters
                 self.sites.append(site)
                 _SITES.append(site)  # kept for the process's life: a graph may outlive this plan and still count in them
-                self.steps.append(lambda x, after_relu, m=m, relu=relu, site=site: (linear(x, m, relu=relu, in_relu=after_relu, site=site), relu))
+                self.steps.append(functools.partial(linear, layer=m, relu=relu, in_relu=after, site=site))
                 after = relu
                 i += 2 if relu else 1
             else:
                 after = type(m) is nn.ReLU or (after and type(m) is nn.Flatten)
-                self.steps.append(lambda x, after_relu, m=m: (m(x), type(m) is nn.ReLU or (after_relu and type(m) is nn.Flatten)))
+                self.steps.append(m)
                 i += 1
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        after_relu = False
-        for s in self.steps:
-            x, after_relu = s(x, after_relu)
+        for step in self.steps:
+            x = step(x)
         return x
 
     def check(self, rows: int, tolerance: float = 1e-4) -> None:

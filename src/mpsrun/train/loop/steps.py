@@ -10,7 +10,7 @@ import contextlib
 import functools
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
@@ -19,6 +19,9 @@ from mpsrun.train.ranks import distributed, graph_sync
 from mpsrun.train.loop.data import BatchPlan, ResidentBatches
 from mpsrun.train.loop.events import Listener
 from mpsrun.train.loop.objective import Objective, micro_batches
+
+if TYPE_CHECKING:
+    from mpsrun.train.loop.fused_linear import Planned
 
 GRAPH_STEPS = 16  # training steps per CUDA graph replay
 
@@ -61,7 +64,7 @@ class Trainer:
         train_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.model = model
-        self.fused: Callable[[torch.Tensor], torch.Tensor] | None = None  # GraphTrainer's fused layers (fused_linear.py)
+        self.fused: Planned | None = None  # GraphTrainer's fused layers (fused_linear.py)
         self.optimizer = optimizer
         self.device = device
         self.options = options
@@ -183,9 +186,8 @@ class GraphTrainer(Trainer):
         sx = x[: k * b].reshape(k, b, *x.shape[1:]).clone()
         sy = y[: k * b].reshape(k, b).clone()
         step = functools.partial(self.train_step, weight=w) if kind == "train" else self.val_step
-        check = getattr(self.forward, "check", None)
-        if kind == "train" and check is not None:
-            check(b)  # fused layers: the same answers as torch's at this batch size, or Mismatch (torch's kernels then)
+        if kind == "train" and self.fused is not None:
+            self.fused.check(b)  # fused layers: the same answers as torch's at this batch size, or Mismatch (torch's kernels then)
         snapshot = snapshot_state(self.model, self.optimizer, self.accumulators())
         try:
             with torch.no_grad() if kind == "val" else contextlib.nullcontext():
