@@ -9,8 +9,9 @@ whose programs split between the weight gradient (with the bias gradient in the 
 pass) and the input's gradient (with the previous ReLU's mask applied, so no separate
 threshold kernel runs).
 
-Exact fp32: the products are IEEE fp32 FMAs (`input_precision="ieee"`, never TF32), in a
-fixed order without atomics, so a replay gives the same bits every time; the sums are
+Exact fp32: the products are IEEE fp32 FMAs (`input_precision="ieee"`, never TF32), summed in a
+fixed order (a split reduction's parts too: an atomic counts them, never adds values), so a replay
+gives the same bits every time; the sums are
 ordered differently from cuBLAS's, so results agree with torch's to fp32 rounding, as any
 two GEMM libraries do. The model itself is not changed: `plan` returns a forward that the
 training step calls instead of the model's own; evaluation, export and checkpoints see
@@ -26,7 +27,6 @@ import torch
 from torch import nn
 
 MAX_ROWS = 256  # batch rows the small tiles are for; larger batches fill the GPU through cuBLAS
-MAX_FEATURES = 8192
 
 # tile sizes (rows, outputs, reduction) and warps, chosen on the H100 (docs/benchmarks.md, "The step")
 FWD = {"BM": 16, "BN": 32, "BK": 32, "warps": 2}
@@ -151,9 +151,13 @@ def _forward(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], relu: 
 
 def split_k(tiles: int, k: int, bk: int) -> tuple[int, int]:
     """(parts, reduction length per part): enough programs to reach PROGRAMS, each at least two BK steps long."""
-    want = max(1, min(PROGRAMS // max(1, tiles), -(-k // (2 * bk))))
-    per = -(-(-(-k // want)) // bk) * bk
-    return -(-k // per), per
+    want = max(1, min(PROGRAMS // max(1, tiles), _cdiv(k, 2 * bk)))
+    per = _cdiv(_cdiv(k, want), bk) * bk
+    return _cdiv(k, per), per
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 _SITES: list[dict] = []  # every call site's counters (a few int32 per layer of each planned model)
