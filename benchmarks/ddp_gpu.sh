@@ -21,7 +21,8 @@
 # Knobs: BATCHES ("256 64"), EPOCHS (3), N_TRAIN (30000), GRAPHS (0), BUDGET (seconds this
 # script may take, default 480: a run that would start too late to finish is skipped, said
 # in the table), RUN_TIMEOUT (150 s per run), BUCKET_SWEEP ("8 4 2": the 2-GPU run again with buckets
-# of that many MiB, MPSRUN_DDP_BUCKET_MB; default 25 as DDP), THIRD (flat | ddp | none), ENV_SWEEP
+# of that many MiB, MPSRUN_DDP_BUCKET_MB; default 25 as DDP), PAIR (1: two 1-GPU runs at once, one per GPU, after
+# the 2-GPU run: a GPU's speed beside another busy one, no collective), THIRD (flat | ddp | none), ENV_SWEEP
 # ("NCCL_MAX_NCHANNELS=4 NCCL_PROTO=Simple": the 2-GPU run again with each variable set, one row each).
 set -u
 START=$SECONDS
@@ -64,6 +65,11 @@ one() {  # one() NAME [args...]: a run if the budget allows it, its wall time in
 for B in $BATCHES; do
   one "1gpu-b$B" batch_size="$B"                                  # the default: CUDA graphs
   one "2gpu-b$B" batch_size=$((2 * B)) --nproc 2                  # graphs on every rank (graph_sync)
+  if [ "${PAIR:-0}" = 1 ]; then  # two independent 1-GPU runs at once, one per GPU: what the host costs a GPU, without any collective
+    CUDA_VISIBLE_DEVICES=0 one "pair0-b$B" batch_size="$B" &
+    CUDA_VISIBLE_DEVICES=1 one "pair1-b$B" batch_size="$B" &
+    wait
+  fi
   for mb in ${BUCKET_SWEEP:-}; do  # the same 2-GPU run with other bucket sizes (MiB), one row each below the table
     MPSRUN_DDP_BUCKET_MB=$mb one "2gpu-bk$mb-b$B" batch_size=$((2 * B)) --nproc 2
   done
@@ -131,6 +137,11 @@ for b in sys.argv[2].split():
     for i, assign in enumerate(os.environ.get("ENV_SWEEP", "").split(), 1):
         v, w = ips(f"2gpu-env{i}-b{b}")
         notes.append(f"batch {b} per GPU, {assign}: 2 GPUs {f(v, why(w))} img/s" + (f", scaling {v / one:.3f}x" if v and one else ""))
+    if os.environ.get("PAIR") == "1":
+        pv = [ips(f"pair{g}-b{b}") for g in (0, 1)]
+        notes.append(f"batch {b}: two 1-GPU runs at once (one per GPU, no collective): " + ", ".join(f(v, why(w)) for v, w in pv) + " img/s"
+                     + "".join(f"; {v / one:.3f}x of the 1-GPU run alone" for v, _ in pv[:1] if v and one)
+                     + (f"; 2 GPUs against their sum: {two / (pv[0][0] + pv[1][0]):.3f}" if two and pv[0][0] and pv[1][0] else ""))
     for mb in os.environ.get("BUCKET_SWEEP", "").split():
         v, w = ips(f"2gpu-bk{mb}-b{b}")
         notes.append(f"batch {b} per GPU, buckets of {mb} MiB: 2 GPUs {f(v, why(w))} img/s" + (f", scaling {v / one:.3f}x" if v and one else ""))

@@ -23,6 +23,7 @@ A no-op everywhere else: `sync_grads` and `sync_buffers` do nothing unless `inst
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +31,8 @@ from torch import nn
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 BUCKET_ENV = "MPSRUN_DDP_BUCKET_MB"  # another size; 0: one all-reduce after backward (no overlap), for measuring
+AVG_ENV = "MPSRUN_DDP_AVG"  # 0: NCCL sums and the bucket is divided after (as before), for measuring
+EARLY_COPY_ENV = "MPSRUN_DDP_EARLY_COPY"  # 0: every bucket copied back after backward (as before), for measuring
 
 
 class GradSync:
@@ -39,13 +42,15 @@ class GradSync:
     first, as DDP orders them). When a bucket's last gradient is accumulated (a
     post-accumulate-grad hook, run during the eager warm-up and during capture alike),
     its all-reduce is issued on a side stream that waits for the gradients so far, so
-    the collective overlaps the rest of backward, inside the graph too. `__call__` (after
-    backward) issues any bucket whose hooks did not all fire (unused parameters), waits
-    for the side stream and copies the averages back: every rank issues the same
-    buckets in the same order, since every rank runs the same backward.
+    the collective overlaps the rest of backward, inside the graph too; the bucket's
+    average is copied back into its gradients on that stream too (they are final), so
+    after backward only the last bucket's collective and copy are left to wait for.
+    `__call__` (after backward) issues any bucket whose hooks did not all fire (unused
+    parameters) and waits for the side stream: every rank issues the same buckets in the
+    same order, since every rank runs the same backward.
     """
 
-    def __init__(self, model: nn.Module, world: int, bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(self, model: nn.Module, world: int, bucket_bytes: int = BUCKET_BYTES, avg: bool = False, early_copy: bool = True) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.world = world
         self.buckets: list[list[nn.Parameter]] = []
@@ -64,6 +69,8 @@ class GradSync:
         self.issued: list[tuple[torch.Tensor, list[torch.Tensor]] | None] = [None] * len(self.buckets)
         self.stream: torch.cuda.Stream | None = None
         self.armed = False
+        self.avg = avg
+        self.early_copy = early_copy
         self.handles = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
 
     def arm(self) -> None:
@@ -93,14 +100,32 @@ class GradSync:
                 self.stream = torch.cuda.Stream(grads[0].device)
             self.stream.wait_stream(cur)  # the gradients so far are written
             with torch.cuda.stream(self.stream):
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-                flat.div_(self.world)
+                flat = self._average(grads, dist)
+                if self.early_copy:  # this bucket's gradients are final: back in place while backward goes on
+                    self._copy_back(flat, grads)
+                    grads = []
         else:
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = self._average(grads, dist)
+        self.issued[i] = (flat, grads)
+
+    def _average(self, grads: list[torch.Tensor], dist: Any) -> torch.Tensor:
+        """The ranks' mean of these gradients, as one flat tensor (DDP's: the sum over ranks / world size).
+
+        NCCL averages inside the collective (`ReduceOp.AVG`: one pass over the bucket fewer
+        than a sum and a division); gloo has no AVG, so there the sum is divided.
+        """
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.avg:
+            dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+        else:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             flat.div_(self.world)
-        self.issued[i] = (flat, grads)
+        return flat
+
+    @staticmethod
+    def _copy_back(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
+        views = [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)]
+        torch._foreach_copy_(grads, views)
 
     def __call__(self) -> None:
         if not self.armed:  # called without arm (a caller that does not know about buckets): all at once
@@ -109,19 +134,15 @@ class GradSync:
         for i, done in enumerate(self.issued):
             if done is None:
                 self._issue(i)
-        pairs = [x for x in self.issued if x is not None and x[1]]
-        if not pairs:
-            return
         if self.stream is not None:
-            # The flats were made on the side stream and are read here; their memory is only
-            # reused by the side stream, whose next work waits for this stream (`_issue`), so
-            # no record_stream is needed (and none is issued during a capture).
-            torch.cuda.current_stream(pairs[0][0].device).wait_stream(self.stream)
-        grads, views = [], []
+            # The averages were made (and, with early_copy, copied back) on the side stream; the
+            # optimizer reads them on this one. Their memory is only reused by the side stream,
+            # whose next work waits for this stream (`_issue`), so no record_stream is needed
+            # (and none is issued during a capture).
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        pairs = [x for x in self.issued if x is not None and x[1]]
         for flat, gs in pairs:
-            grads += gs
-            views += [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in gs]), gs)]
-        torch._foreach_copy_(grads, views)
+            self._copy_back(flat, gs)
         self.issued = [None] * len(self.buckets)
 
     def remove(self) -> None:
@@ -144,7 +165,10 @@ def install(model: nn.Module, world: int, bucket_bytes: int = BUCKET_BYTES) -> n
     if env is not None:
         mb = float(env)
         bucket_bytes = int(mb * 2**20) if mb > 0 else 2**62
-    _sync = GradSync(model, world, bucket_bytes)
+    nccl = dist.get_backend() == "nccl"
+    avg = nccl and os.environ.get(AVG_ENV, "1") != "0"
+    early = os.environ.get(EARLY_COPY_ENV, "1") != "0"
+    _sync = GradSync(model, world, bucket_bytes, avg=avg, early_copy=early)
     return model
 
 
