@@ -153,7 +153,8 @@ if te:
         rel = max((abs(a - b) / max(abs(a), 1e-12) for a, b in zip(*h)), default=float("nan"))
         notes.append(f"trajectory (fashion MLP fp32, global batch 128, 3 epochs): 1 GPU val_loss {['%.6f' % v for v in h[0]]}, "
                      f"2 GPUs {['%.6f' % v for v in h[1]]}; max relative difference {rel:.2e} (target <= 1e-4); "
-                     f"2-GPU graphs={tr['traj-2'].data.params.get('resolved.graphs')}")
+                     f"2-GPU graphs={tr['traj-2'].data.params.get('resolved.graphs')}, fused layers 1 GPU={tr['traj-1'].data.params.get('resolved.fused_linear')} "
+                     f"2 GPUs={tr['traj-2'].data.params.get('resolved.fused_linear')}")
 quick = os.environ.get("QUICK") == "1"
 what = "QUICK smoke run (32x32, fp32, tiny): checks the script, not a benchmark" if quick else "resnet18, 224x224, bf16 + channels_last, Adam"
 table = "\n".join(lines) + (f"\n\n{what}; device {os.environ.get('DEVICE', 'cuda')}; images/s = steady_train_samples_per_s "
