@@ -115,6 +115,13 @@ def test_single_process_is_untouched() -> None:
     assert ctx is not None and (ctx.rank, ctx.local_rank, ctx.nodes, ctx.main) == (3, 1, 2, False)
 
 
+def test_nccl_defaults_leave_a_user_s_own_setting_alone() -> None:
+    env: dict[str, str] = {}
+    assert distributed.nccl_defaults(env) == {"NCCL_GRAPH_MIXING_SUPPORT": "0"} and env == {"NCCL_GRAPH_MIXING_SUPPORT": "0"}
+    mine = {"NCCL_GRAPH_MIXING_SUPPORT": "1"}
+    assert distributed.nccl_defaults(mine) == {} and mine == {"NCCL_GRAPH_MIXING_SUPPORT": "1"}
+
+
 # ----------------------------------------------------------------------------- real jobs
 
 
