@@ -124,9 +124,9 @@ def _capture_or_eager(trainer: "GraphTrainer", plan: BatchPlan, listener: Listen
             trainer.options.notes.append(note)
             trainer.options.fused_linear = False
             listener.on_note(note)
-            trainer.fused = None
-            trainer.graphs.clear()
+            trainer.graphs.clear()  # before the plan whose counters they write
             trainer.pool = None
+            trainer.fused = None
             return _capture_or_eager(trainer, plan, listener)
         note = f"graphs: CUDA graph capture failed ({type(e).__name__}: {e}); running eager"
         trainer.options.notes.append(note)

@@ -160,9 +160,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-_SITES: list[dict] = []  # every call site's counters (a few int32 per layer of each planned model)
-
-
 def _counters(site: Optional[dict], device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed per-tile counters that the kernel leaves zeroed, one buffer per call site (a layer of a planned
     forward) and tile count, made at its first call (the warm-up before capture); without a site, new ones.
@@ -273,7 +270,12 @@ class Mismatch(RuntimeError):
 
 
 class Planned:
-    """The fused forward for one model, and the check that its kernels compute what torch's do."""
+    """The fused forward for one model, and the check that its kernels compute what torch's do.
+
+    Its layers' split-K counters (`sites`) are device memory that captured graphs write: whoever
+    holds graphs captured through this plan holds the plan too (GraphTrainer keeps it as long as
+    its graphs), so the counters are never freed and reused while a graph can still replay.
+    """
 
     def __init__(self, model: nn.Sequential) -> None:
         self.layers: list[tuple[nn.Linear, bool, bool]] = []  # (layer, ReLU after it, its input a ReLU's output)
@@ -289,7 +291,6 @@ class Planned:
                 self.layers.append((m, relu, after))
                 site: dict = {}  # this layer's split-K counters
                 self.sites.append(site)
-                _SITES.append(site)  # kept for the process's life: a graph may outlive this plan and still count in them
                 self.steps.append(functools.partial(linear, layer=m, relu=relu, in_relu=after, site=site))
                 after = relu
                 i += 2 if relu else 1

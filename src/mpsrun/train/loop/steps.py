@@ -64,7 +64,7 @@ class Trainer:
         train_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.model = model
-        self.fused: Planned | None = None  # GraphTrainer's fused layers (fused_linear.py)
+        self.fused: Planned | None = None  # GraphTrainer's fused layers (fused_linear.py), held as long as graphs captured through them
         self.optimizer = optimizer
         self.device = device
         self.options = options
