@@ -123,15 +123,10 @@ def end_figures(t: Any, history: list[dict[str, float]], title: str, predictions
     `predictions`: (y_true, outputs) as numpy arrays, or an exception text from the
     training process (the curves are still drawn).
     """
-    try:
-        figures.log_learning_curves(t.c, t.run_id, history, title)
-        if isinstance(predictions, str):
-            raise RuntimeError(predictions)
-        y_true, outputs = predictions
-        figures.log_predictions(t.c, t.run_id, y_true, outputs, title, classes)
-    except Exception as e:
-        return [f"figures: not logged ({type(e).__name__}: {e})"]
-    return []
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="mpsrun-figures-") as folder:  # drawn as the exporter draws them, logged here
+        return log_drawn(t, figures.draw_end(history, title, predictions, classes, folder))
 
 
 def log_drawn(t: Any, drawn: dict[str, Any]) -> list[str]:
