@@ -23,7 +23,9 @@
 # in the table), RUN_TIMEOUT (150 s per run), BUCKET_SWEEP ("8 4 2": the 2-GPU run again with buckets
 # of that many MiB, MPSRUN_DDP_BUCKET_MB; default 25 as DDP), PAIR (1: two 1-GPU runs at once, one per GPU, after
 # the 2-GPU run: a GPU's speed beside another busy one, no collective), THIRD (flat | ddp | none), ENV_SWEEP
-# ("NCCL_MAX_NCHANNELS=4 NCCL_PROTO=Simple": the 2-GPU run again with each variable set, one row each).
+# ("NCCL_MAX_NCHANNELS=4 NCCL_PROTO=Simple": the 2-GPU run again with each variable set, one row each), PROFILE (E: every
+# run's epoch E trained under torch.profiler, its kernel table in $OUT/profile-RUN-rankR.txt; use EPOCHS=E+2 or more,
+# as that epoch's time is not a measurement and the steady figure is the median of epochs 2..N).
 set -u
 START=$SECONDS
 export THIRD=${THIRD:-flat} BUCKET_SWEEP=${BUCKET_SWEEP:-} ENV_SWEEP=${ENV_SWEEP:-}
@@ -59,7 +61,8 @@ one() {  # one() NAME [args...]: a run if the budget allows it, its wall time in
     echo "-- $name: skipped, ${left}s of the ${BUDGET}s budget left" | tee -a "$LOG"; SKIPPED+=("$name"); return
   fi
   local t0=$SECONDS
-  timeout -s INT -k 20 "$limit" python3 -m mpsrun run "$RECIPE" "${COMMON[@]}" tracking.run_name="$name" -q "$@" >> "$LOG" 2>&1
+  MPSRUN_PROFILE_EPOCH=${PROFILE:-} MPSRUN_PROFILE_OUT="$OUT/profile-$name-rank{rank}.txt" \
+    timeout -s INT -k 20 "$limit" python3 -m mpsrun run "$RECIPE" "${COMMON[@]}" tracking.run_name="$name" -q "$@" >> "$LOG" 2>&1
   echo "-- $name: exit $?, $((SECONDS - t0)) s wall (limit ${limit}s)" | tee -a "$LOG"
 }
 for B in $BATCHES; do

@@ -127,6 +127,21 @@ def test_graph_groups_of_data_parallel_ranks_match_their_shares(n: int, batch: i
     assert per_rank[0] == per_rank[1]
 
 
+def test_profile_epoch_writes_the_named_epoch_s_table_and_says_so(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("MPSRUN_PROFILE_EPOCH", "2")
+    monkeypatch.setenv("MPSRUN_PROFILE_OUT", str(tmp_path / "prof-{rank}.txt"))
+    setup = _setup("epochs=2", "optimizer.name=sgd")
+    _train(setup)
+    table = (tmp_path / "prof-0.txt").read_text()
+    assert table.startswith("# epoch 2, rank 0") and "aten::addmm" in table  # the MLP's layers, in the training phase
+    assert [n for n in setup.options.notes if n.startswith("profile: epoch 2's training phase")]
+    monkeypatch.setenv("MPSRUN_PROFILE_EPOCH", "3")  # an epoch the run does not reach: no table, no note
+    (tmp_path / "prof-0.txt").unlink()
+    setup = _setup("epochs=2", "optimizer.name=sgd")
+    _train(setup)
+    assert not (tmp_path / "prof-0.txt").exists() and not [n for n in setup.options.notes if n.startswith("profile:")]
+
+
 def test_graphs_requested_on_cpu_is_said_not_silent() -> None:
     setup = _setup("graphs=true", "epochs=1")
     assert setup.options.graphs is False

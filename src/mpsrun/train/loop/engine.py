@@ -20,8 +20,9 @@ from mpsrun.devices import resolve as devices
 from mpsrun.train.controls.callbacks import Callback, RunState
 from mpsrun.train.loop.data import BatchPlan, ResidentBatches
 from mpsrun.train.loop.events import EpochMetrics, Listener, Listeners, TrainResult
-from mpsrun.train.ranks.distributed import reduce_sums
+from mpsrun.train.ranks.distributed import rank, reduce_sums
 from mpsrun.train.loop.objective import Objective
+from mpsrun.train.loop.profile import profiled
 from mpsrun.train.loop.steps import GRAPH_STEPS, GraphTrainer, Options, Trainer, restore_state, snapshot_state
 
 __all__ = ["GRAPH_STEPS", "EpochMetrics", "GraphTrainer", "Listener", "Listeners", "Options", "TrainResult", "Trainer", "train"]
@@ -73,8 +74,9 @@ def train(
             _compile_or_eager(trainer, plan, listener)  # compilation counts as warm-up
         if epoch == start_epoch and isinstance(trainer, GraphTrainer):
             trainer = _capture_or_eager(trainer, plan, listener)  # capture counts as warm-up
-        trainer.train_epoch(plan, epoch, listener)
-        devices.synchronize(device)
+        with profiled(epoch, device, rank(), options.notes):  # MPSRUN_PROFILE_EPOCH: a kernel table, for measuring
+            trainer.train_epoch(plan, epoch, listener)
+            devices.synchronize(device)
         t1 = time.perf_counter()
         reduce_sums(trainer.loss_sum)  # over every rank of a DDP job; a no-op in one process
         train_loss = trainer.loss_sum.item() / n_train  # the epoch's one read of the loss
