@@ -164,6 +164,32 @@ def _wait_mid_trial(proc: subprocess.Popen, path: Path, name: str, before: set[i
     return _mid_trial(path, name)
 
 
+def test_a_lost_trial_s_untagged_run_is_settled_when_the_results_are_published(work: Workdir) -> None:
+    """A lost trial whose run kept RUNNING without its tag (a worker stopped before its helper wrote it): the next
+    command's publish ends the run KILLED and tags it not counted, so the runs agree with the study."""
+    path = recipe(work, "s.yaml", "sw9", "optimizer.lr: {low: 0.01, high: 0.2}", trials=1)
+    assert work.cli("sweep", str(path), "-q").exit_code == 0
+    (parent_run,), _ = children(work, "sw9")
+    s = study(work.path, "sw9")
+    from mlflow.tracking import MlflowClient
+
+    from mpsrun.sweep import storage
+
+    c = MlflowClient(work.uri)
+    orphan = c.create_run(parent_run.info.experiment_id, tags={"mlflow.parentRunId": parent_run.info.run_id, "mpsrun.sweep": "trial"})
+    t = s.ask()
+    t.set_user_attr(storage.RUN_ID, orphan.info.run_id)
+    storage.mark_lost(s, t, "its worker died (test)")
+    assert c.get_run(orphan.info.run_id).info.status == "RUNNING"
+
+    assert work.cli("sweep", str(path), "-q").exit_code == 0  # the study holds its one trial: nothing trains, results published
+    run = c.get_run(orphan.info.run_id)
+    assert run.info.status == "KILLED" and run.data.tags["mpsrun.sweep.counted"] == "false"
+    assert run.data.tags["mpsrun.sweep.why"] == "its worker died (test)"
+    _, kids = children(work, "sw9")
+    assert len([k for k in kids if k.data.tags.get("mpsrun.sweep.counted") != "false"]) == 1
+
+
 def test_killed_worker_then_terminated_then_rerun_gives_exactly_trials_finished(work: Workdir) -> None:
     """SIGKILL mid-trial, then SIGTERM mid-trial (exit 143, runs KILLED), then a full run: `trials` counted, nothing RUNNING."""
     path = recipe(work, "k.yaml", "sw5", "optimizer.lr: {low: 0.01, high: 0.2}", trials=3, epochs=10)

@@ -76,6 +76,35 @@ class RunMarker:
             pass
 
 
+def settle_lost(tracking_uri: str | None, study: Any) -> int:
+    """Every lost trial's run ended (KILLED where still RUNNING) and tagged not counted; returns how many needed it.
+
+    Why: the worker that sees a trial lost (interrupted, or another worker's death found) hands
+    the tag to its MLflow helper without waiting, and a worker stopped at the wrong instant can
+    leave that run untagged (seen once in CI, under load: a sweep's child runs then counted one
+    trial too many against the study). The study is the truth; the owner makes the runs agree
+    with it each time it publishes the results.
+    """
+    from optuna.trial import TrialState
+
+    marker = RunMarker(tracking_uri)
+    lost = storage.lost_trials(study)
+    n = 0
+    for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
+        why, run_id = storage.why_lost(t, lost), t.user_attrs.get(storage.RUN_ID)
+        if why is None or not run_id:
+            continue
+        try:
+            run = marker.c.get_run(run_id)
+        except Exception:  # noqa: BLE001 - a run that was never created or was deleted: nothing to agree with
+            continue
+        if run.data.tags.get("mpsrun.sweep.counted") == "false" and run.info.status != "RUNNING":
+            continue
+        marker.lost(run_id, why)
+        n += 1
+    return n
+
+
 @dataclass
 class Opened:
     """The study's parent run as this command holds it."""

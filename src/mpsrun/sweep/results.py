@@ -91,10 +91,11 @@ def best_recipe(resolved: Resolved, s: Summary) -> str:
 
 def publish(resolved: Resolved, study: Any, parent_run_id: str, tracking_uri: str | None, target: int) -> tuple[Summary, list[str]]:
     """Log the summary, best recipe, CSV and figures on the parent; returns the summary and notes (skipped figures)."""
-    from mpsrun.sweep import figures
+    from mpsrun.sweep import figures, parent
 
     uri, _ = store.resolve_uri(tracking_uri)
     c = store.client(uri)
+    parent.settle_lost(tracking_uri, study)  # the child runs agree with the study before the parent says what it holds
     s = summarise(resolved, study)
     notes: list[str] = []
     metrics = {"trials_complete": s.complete, "trials_pruned": s.pruned, "trials_failed": s.failed, "trials_lost": s.lost}
