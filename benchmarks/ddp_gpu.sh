@@ -25,7 +25,8 @@
 # the 2-GPU run: a GPU's speed beside another busy one, no collective), THIRD (flat | ddp | none), ENV_SWEEP
 # ("NCCL_MAX_NCHANNELS=4 NCCL_PROTO=Simple": the 2-GPU run again with each variable set, one row each), PROFILE (E: every
 # run's epoch E trained under torch.profiler, its kernel table in $OUT/profile-RUN-rankR.txt; use EPOCHS=E+2 or more,
-# as that epoch's time is not a measurement and the steady figure is the median of epochs 2..N).
+# as that epoch's time is not a measurement and the steady figure is the median of epochs 2..N), ROUNDS (N: the 1-GPU
+# and 2-GPU runs N times, alternated; the table reports their medians and a note each round).
 set -u
 START=$SECONDS
 export THIRD=${THIRD:-flat} BUCKET_SWEEP=${BUCKET_SWEEP:-} ENV_SWEEP=${ENV_SWEEP:-}
@@ -68,6 +69,10 @@ one() {  # one() NAME [args...]: a run if the budget allows it, its wall time in
 for B in $BATCHES; do
   one "1gpu-b$B" batch_size="$B"                                  # the default: CUDA graphs
   one "2gpu-b$B" batch_size=$((2 * B)) --nproc 2                  # graphs on every rank (graph_sync)
+  for r in $(seq 2 "${ROUNDS:-1}"); do  # more alternated rounds of the pair: the table then reports medians
+    one "1gpu-b$B-r$r" batch_size="$B"
+    one "2gpu-b$B-r$r" batch_size=$((2 * B)) --nproc 2
+  done
   if [ "${PAIR:-0}" = 1 ]; then  # two independent 1-GPU runs at once, one per GPU: what the host costs a GPU, without any collective
     CUDA_VISIBLE_DEVICES=0 one "pair0-b$B" batch_size="$B" &
     CUDA_VISIBLE_DEVICES=1 one "pair1-b$B" batch_size="$B" &
@@ -104,7 +109,7 @@ if [ "${TRAJ:-1}" = 1 ] && [ "$QUICK" != 1 ]; then
 fi
 
 python3 - "$OUT/ddp.md" "$BATCHES" "${SKIPPED[*]:-}" "$GRAPHS" <<'PY' 2>&1 | tee -a "$LOG"
-import os, sys
+import os, statistics, sys
 from pathlib import Path
 from mlflow.tracking import MlflowClient
 from mpsrun.track.records.names import from_mlflow  # system/<name> read as before
@@ -124,8 +129,18 @@ lines = [f"| batch per GPU | 1 GPU, CUDA graphs (img/s) | 2 GPUs, graphs + bucke
          "| --- | --- | --- | --- | --- | --- | --- |"]
 notes = []
 targets = {"64": 1.8, "256": 1.95}
+rounds = int(os.environ.get("ROUNDS", "1") or 1)
+def median_of(stem):
+    """The run `stem` and its rounds (stem-r2, ...): the median img/s, and the first run (for its tags and status)."""
+    got = [ips(stem)] + [ips(f"{stem}-r{r}") for r in range(2, rounds + 1)]
+    vals = sorted(v for v, _ in got if v)
+    return (statistics.median(vals) if vals else None), got[0][1], [v for v, _ in got]
 for b in sys.argv[2].split():
-    (one, w1), (two, w2), (ddp, wd) = ips(f"1gpu-b{b}"), ips(f"2gpu-b{b}"), ips(f"2gpu-ddp-b{b}")
+    (one, w1, ones), (two, w2, twos), (ddp, wd) = median_of(f"1gpu-b{b}"), median_of(f"2gpu-b{b}"), ips(f"2gpu-ddp-b{b}")
+    if rounds > 1:
+        notes.append(f"batch {b} per GPU, {rounds} alternated rounds (medians in the table): 1 GPU " + ", ".join(f(v) for v in ones)
+                     + "; 2 GPUs " + ", ".join(f(v) for v in twos) + "; per round "
+                     + ", ".join(f"{t / o:.3f}x" if t and o else "n/a" for o, t in zip(ones, twos)))
     s = two / one if two and one else None
     sd = ddp / one if ddp and one else None
     t = targets.get(b, 1.8)
@@ -161,7 +176,7 @@ if te:
 quick = os.environ.get("QUICK") == "1"
 what = "QUICK smoke run (32x32, fp32, tiny): checks the script, not a benchmark" if quick else "resnet18, 224x224, bf16 + channels_last, Adam"
 table = "\n".join(lines) + (f"\n\n{what}; device {os.environ.get('DEVICE', 'cuda')}; images/s = steady_train_samples_per_s "
-                            "(median of epochs 2..N, whole job), one run each.\n\n" + "\n".join(notes) + "\n")
+                            f"(median of epochs 2..N, whole job), {'one run each' if rounds == 1 else f'the 1- and 2-GPU columns the median of {rounds} alternated runs'}.\n\n" + "\n".join(notes) + "\n")
 Path(sys.argv[1]).write_text(table)
 print(table)
 PY
