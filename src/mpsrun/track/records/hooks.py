@@ -173,5 +173,5 @@ def tag_run(t: Any, run_id: str, tags: dict[str, str]) -> None:
     for k, v in tags.items():
         try:
             t.c.set_tag(run_id, k, v)
-        except Exception:  # noqa: BLE001 - a tag is not worth a trial; the study holds the truth
-            return
+        except Exception:  # noqa: BLE001 - a tag is not worth a trial; the study holds the truth (and the owner's
+            continue  # publish settles lost trials' runs from it: sweep/parent.settle_lost); the next tag may still go in
