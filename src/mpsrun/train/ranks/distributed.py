@@ -220,7 +220,7 @@ def nccl_defaults(env: Any = None) -> dict[str, str]:
     run after the device is synchronised, and the graphs' warm-up collectives precede the
     capture on the same streams. Measured on 2 H100s (resnet18 bf16, batch 256 per GPU, three
     runs each, docs/benchmarks.md): 1.935x one GPU against 1.924x, the median of each.
-    Returns what was set (for the run's notes).
+    Returns what it set (the graphs note reads the variable itself, whoever set it).
     """
     e = os.environ if env is None else env
     if GRAPH_MIXING in e:
