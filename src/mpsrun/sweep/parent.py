@@ -29,14 +29,15 @@ STATE_TAG, TRIAL_TAG = "mpsrun.sweep.state", "mpsrun.sweep.trial"  # on each tri
 STUDY, STORAGE, TARGET = "mpsrun.sweep.study", "mpsrun.sweep.storage", "mpsrun.sweep.trials"
 OVERRIDES = "mpsrun.sweep.overrides"  # JSON list: `mpsrun resume PARENT_ID` resolves the recipe again with them
 PROGRESS = "mpsrun.sweep.progress"  # "done/target", refreshed after each trial
+COUNTED, WHY = "mpsrun.sweep.counted", "mpsrun.sweep.why"  # on a lost trial's run: "false", and why it was lost
 
 
 class RunMarker:
     """Tags on finished child runs (state, counted) and the end of runs whose worker died, through one client."""
 
-    def __init__(self, tracking_uri: str | None, tracker: Any = None) -> None:
+    def __init__(self, tracking_uri: str | None, tracker: Any = None, client: Any = None) -> None:
         self.uri, _ = store.resolve_uri(tracking_uri)
-        self._c: Any = None
+        self._c: Any = client  # made on first use when not given
         self.tracker = tracker  # a worker's MLflow helper: trial states are handed to it without waiting (no mlflow import here)
 
     @property
@@ -49,7 +50,7 @@ class RunMarker:
         if self.tracker is not None:
             from mpsrun.train.record import hook_later
 
-            tags = {STATE_TAG: state, **({"mpsrun.sweep.counted": "false"} if not counted else {}), **({"mpsrun.sweep.why": why} if why else {})}
+            tags = {STATE_TAG: state, **({COUNTED: "false"} if not counted else {}), **({WHY: why} if why else {})}
             try:
                 hook_later(self.tracker, "tag_run", run_id, tags)  # written after the run's own records, in order
                 return
@@ -58,16 +59,17 @@ class RunMarker:
         try:
             self.c.set_tag(run_id, STATE_TAG, state)
             if not counted:
-                self.c.set_tag(run_id, "mpsrun.sweep.counted", "false")
+                self.c.set_tag(run_id, COUNTED, "false")
             if why:
-                self.c.set_tag(run_id, "mpsrun.sweep.why", why)
+                self.c.set_tag(run_id, WHY, why)
         except Exception:  # noqa: BLE001 - a tag is not worth a failed sweep; the study holds the truth
             pass
 
-    def lost(self, run_id: str, why: str) -> None:
-        """A trial failed because its worker died: its run is no longer RUNNING (KILLED), and not counted."""
+    def lost(self, run_id: str, why: str, run: Any = None) -> None:
+        """A trial failed because its worker died: its run is no longer RUNNING (KILLED), and not counted.
+        `run`: the run as already read, if it was."""
         try:
-            run = self.c.get_run(run_id)
+            run = run if run is not None else self.c.get_run(run_id)
             self.state(run_id, "FAILED", counted=False, why=why)
             if run.info.status == "RUNNING":
                 self.c.set_tag(run_id, "mpsrun.error", f"trial lost: {why}")
@@ -76,7 +78,7 @@ class RunMarker:
             pass
 
 
-def settle_lost(tracking_uri: str | None, study: Any) -> int:
+def settle_lost(tracking_uri: str | None, study: Any, client: Any = None) -> int:
     """Every lost trial's run ended (KILLED where still RUNNING) and tagged not counted; returns how many needed it.
 
     Why: the worker that sees a trial lost (interrupted, or another worker's death found) hands
@@ -87,7 +89,7 @@ def settle_lost(tracking_uri: str | None, study: Any) -> int:
     """
     from optuna.trial import TrialState
 
-    marker = RunMarker(tracking_uri)
+    marker = RunMarker(tracking_uri, client=client)
     lost = storage.lost_trials(study)
     n = 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
@@ -98,9 +100,9 @@ def settle_lost(tracking_uri: str | None, study: Any) -> int:
             run = marker.c.get_run(run_id)
         except Exception:  # noqa: BLE001 - a run that was never created or was deleted: nothing to agree with
             continue
-        if run.data.tags.get("mpsrun.sweep.counted") == "false" and run.info.status != "RUNNING":
+        if run.data.tags.get(COUNTED) == "false" and run.info.status != "RUNNING":
             continue
-        marker.lost(run_id, why)
+        marker.lost(run_id, why, run)
         n += 1
     return n
 

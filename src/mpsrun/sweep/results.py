@@ -95,7 +95,7 @@ def publish(resolved: Resolved, study: Any, parent_run_id: str, tracking_uri: st
 
     uri, _ = store.resolve_uri(tracking_uri)
     c = store.client(uri)
-    parent.settle_lost(tracking_uri, study)  # the child runs agree with the study before the parent says what it holds
+    parent.settle_lost(tracking_uri, study, c)  # the child runs agree with the study before the parent says what it holds
     s = summarise(resolved, study)
     notes: list[str] = []
     metrics = {"trials_complete": s.complete, "trials_pruned": s.pruned, "trials_failed": s.failed, "trials_lost": s.lost}

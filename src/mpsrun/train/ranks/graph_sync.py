@@ -51,7 +51,8 @@ class GradSync:
     same order, since every rank runs the same backward.
     """
 
-    def __init__(self, model: nn.Module, world: int, bucket_bytes: int = BUCKET_BYTES, avg: bool = False, early_copy: bool = True) -> None:
+    def __init__(self, model: nn.Module, world: int, bucket_bytes: int = BUCKET_BYTES, avg: bool = False, early_copy: bool = True,
+                 wire_dtype: torch.dtype | None = None) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.world = world
         self.buckets: list[list[nn.Parameter]] = []
@@ -72,7 +73,7 @@ class GradSync:
         self.armed = False
         self.avg = avg
         self.early_copy = early_copy
-        self.wire_dtype = {"bf16": torch.bfloat16}.get(os.environ.get(WIRE_ENV, ""))
+        self.wire_dtype = wire_dtype
         self.handles = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
 
     def arm(self) -> None:
@@ -172,7 +173,8 @@ def install(model: nn.Module, world: int, bucket_bytes: int = BUCKET_BYTES) -> n
     nccl = dist.get_backend() == "nccl"
     avg = nccl and os.environ.get(AVG_ENV, "1") != "0"
     early = os.environ.get(EARLY_COPY_ENV, "1") != "0"
-    _sync = GradSync(model, world, bucket_bytes, avg=avg, early_copy=early)
+    wire = {"bf16": torch.bfloat16}.get(os.environ.get(WIRE_ENV, ""))
+    _sync = GradSync(model, world, bucket_bytes, avg=avg, early_copy=early, wire_dtype=wire)
     return model
 
 
