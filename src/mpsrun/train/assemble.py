@@ -173,4 +173,4 @@ def _fuse_layers(model: nn.Module, device: torch.device, options: Options, batch
     if why is None:
         options.fused_linear = True
         return ""
-    return f"layers: torch's Linear kernels, not the fused ones ({why})" if why else ""
+    return f"layers: torch's Linear kernels, not the fused ones ({why})"

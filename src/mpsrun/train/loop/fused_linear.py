@@ -272,7 +272,7 @@ class Mismatch(RuntimeError):
 class Planned:
     """The fused forward for one model, and the check that its kernels compute what torch's do.
 
-    Its layers' split-K counters (`sites`) are device memory that captured graphs write: whoever
+    Its layers' split-K counters (each step's `site`) are device memory that captured graphs write: whoever
     holds graphs captured through this plan holds the plan too (GraphTrainer keeps it as long as
     its graphs), so the counters are never freed and reused while a graph can still replay.
     """
@@ -281,7 +281,6 @@ class Planned:
         self.layers: list[tuple[nn.Linear, bool, bool]] = []  # (layer, ReLU after it, its input a ReLU's output)
         self.steps: list[Callable[[torch.Tensor], torch.Tensor]] = []
         self.checked: set[int] = set()
-        self.sites: list[dict] = []
         mods = list(model)
         i, after = 0, False  # after: the next module's input is a ReLU's output (a Flatten passes that on)
         while i < len(mods):
@@ -289,8 +288,7 @@ class Planned:
             if type(m) is nn.Linear:
                 relu = i + 1 < len(mods) and type(mods[i + 1]) is nn.ReLU
                 self.layers.append((m, relu, after))
-                site: dict = {}  # this layer's split-K counters
-                self.sites.append(site)
+                site: dict = {}  # this layer's split-K counters, held by its step
                 self.steps.append(functools.partial(linear, layer=m, relu=relu, in_relu=after, site=site))
                 after = relu
                 i += 2 if relu else 1
