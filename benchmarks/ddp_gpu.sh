@@ -18,7 +18,8 @@
 #   source benchmarks/gpu_setup.sh && OUT=$OUT bash benchmarks/ddp_gpu.sh      # on the 2-GPU machine
 #   QUICK=1 DEVICE=cpu OUT=/tmp/ddp bash benchmarks/ddp_gpu.sh                  # the same logic, tiny, on a CPU (gloo)
 #
-# Knobs: BATCHES ("256 64"), EPOCHS (3), N_TRAIN (30000), GRAPHS (0), BUDGET (seconds this
+# Knobs: BATCHES ("256 64"), EPOCHS (3), N_TRAIN (30000), SUBSET (training images, default all: N_TRAIN less the
+# 10% hold-out; 26624 = 52 x 512 leaves no short last batch at 256 per GPU on 1 GPU or 2), GRAPHS (0), BUDGET (seconds this
 # script may take, default 480: a run that would start too late to finish is skipped, said
 # in the table), RUN_TIMEOUT (150 s per run), BUCKET_SWEEP ("8 4 2": the 2-GPU run again with buckets
 # of that many MiB, MPSRUN_DDP_BUCKET_MB; default 25 as DDP), PAIR (1: two 1-GPU runs at once, one per GPU, after
@@ -49,7 +50,7 @@ LOG=$OUT/ddp.log; : > "$LOG"
   python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version() if torch.cuda.is_available() else "-", "gpus", torch.cuda.device_count())'; } | tee "$OUT/machine.txt" >> "$LOG"
 python3 -m mpsrun.testing.idx "$DATA" --name MNIST --n-train "$N_TRAIN" --n-test 1000 > /dev/null || { echo "data generation failed" | tee -a "$LOG"; exit 1; }
 
-COMMON=(device=$DEVICE model.arch=resnet18 dataset.root="$DATA" dataset.subset=$N_TRAIN dataset.val_subset=$VAL
+COMMON=(device=$DEVICE model.arch=resnet18 dataset.root="$DATA" dataset.subset=${SUBSET:-$N_TRAIN} dataset.val_subset=$VAL
         dataset.test_subset=200 epochs=$EPOCHS tracking.experiment=ddp_scaling tracking.log_model=false
         tracking.system_metrics=false checkpoint.every=0 "${EXTRA[@]}")
 SKIPPED=()

@@ -358,12 +358,15 @@ def _graph_sync_rank(rank: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(3, 16, 8, generator=gen), torch.randint(0, 4, (3, 16), generator=gen)
+    x, y = torch.randn(3, 16, 2, 4, 4, generator=gen), torch.randint(0, 4, (3, 16), generator=gen)
     mine = slice(8 * rank, 8 * (rank + 1))  # this rank's half of each global batch of 16
     results = []
     for kind in ("ddp", "graph_sync", "buckets"):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        # a channels_last convolution: its weight's gradient is not contiguous (flattened in memory order)
+        model = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Flatten(),
+                                    torch.nn.Linear(64, 4)).to(memory_format=torch.channels_last)
+        assert not model[0].weight.is_contiguous()
         if rank == 1:  # different start on rank 1: both paths must hand every rank rank 0's weights
             with torch.no_grad():
                 for p in model.parameters():
@@ -377,7 +380,8 @@ def _graph_sync_rank(rank: int, init: str, out: str) -> None:
             if kind == "buckets":
                 graph_sync.arm()
                 assert len(graph_sync._sync.buckets) == 6  # type: ignore[union-attr]
-            torch.nn.functional.cross_entropy(net(x[s, mine]), y[s, mine]).backward()
+            torch.nn.functional.cross_entropy(net(x[s, mine].contiguous(memory_format=torch.channels_last)), y[s, mine]).backward()
+            assert not model[0].weight.grad.is_contiguous()  # the gradient keeps the weight's layout
             if kind == "buckets":
                 assert all(i is not None for i in graph_sync._sync.issued)  # type: ignore[union-attr]  # every bucket went out during backward
             graph_sync.sync_grads()  # a no-op under DDP (not installed yet / reset)

@@ -201,3 +201,21 @@ def test_a_cuda_run_turns_them_on_and_the_knob_off_says_so(monkeypatch: pytest.M
     assert not off.fused_linear and note == "layers: torch's Linear kernels, not the fused ones (MPSRUN_FUSED_LINEAR=0)"
     cpu = Options(graphs=False)
     assert _fuse_layers(mlp, torch.device("cpu"), cpu, 64) == "" and not cpu.fused_linear
+
+
+def test_a_cuda_run_of_a_model_without_fusable_layers_says_nothing_of_them() -> None:
+    """A ResNet on CUDA (its classifier is one Linear inside a model of its own forward) once
+    carried "not the fused ones ()" in its notes: a note with no reason, for nothing a user expects."""
+    cuda = torch.device("cuda")  # a device object only: nothing runs on it
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.fc = nn.Conv2d(1, 2, 3), nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.conv(x).mean((2, 3)))
+
+    for model in (Net(), nn.Sequential(nn.Conv2d(1, 1, 3))):
+        options = Options(graphs=True)
+        assert _fuse_layers(model, cuda, options, 64) == "" and not options.fused_linear

@@ -173,4 +173,6 @@ def _fuse_layers(model: nn.Module, device: torch.device, options: Options, batch
     if why is None:
         options.fused_linear = True
         return ""
+    if not why:  # nothing a user would expect fused here (no Linear to fuse, a model of its own forward)
+        return ""
     return f"layers: torch's Linear kernels, not the fused ones ({why})"

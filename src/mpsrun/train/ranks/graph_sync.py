@@ -117,7 +117,7 @@ class GradSync:
         NCCL averages inside the collective (`ReduceOp.AVG`: one pass over the bucket fewer
         than a sum and a division); gloo has no AVG, so there the sum is divided.
         """
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([in_memory_order(g) for g in grads])
         if self.wire_dtype is not None:  # measuring only: fewer bytes on the link, rounded gradients
             flat = flat.to(self.wire_dtype)
         if self.avg:
@@ -129,8 +129,11 @@ class GradSync:
 
     @staticmethod
     def _copy_back(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
-        views = [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)]
-        torch._foreach_copy_(grads, views)
+        dense = [in_memory_order(g) for g in grads]
+        if all(d.data_ptr() == g.data_ptr() for d, g in zip(dense, grads)):  # views of the gradients: 1-D copies
+            torch._foreach_copy_(dense, list(flat.split([g.numel() for g in grads])))
+        else:
+            torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads)])
 
     def __call__(self) -> None:
         if not self.armed:  # called without arm (a caller that does not know about buckets): all at once
@@ -153,6 +156,22 @@ class GradSync:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def in_memory_order(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s elements as a 1-D view in the order they sit in memory (a copy only for a tensor with gaps).
+
+    Why: a channels_last model's convolution weights (and so their gradients) are not
+    contiguous, and `reshape(-1)` of one is a strided copy; the flat bucket and the copy
+    back then cost two strided passes over those gradients in every step (about 0.3 ms a
+    step of ResNet18's 22 ms on an H100). Read in memory order, both are plain dense copies;
+    every rank lays its gradients out alike, so the element-wise average is unchanged.
+    """
+    if t.is_contiguous():
+        return t.view(-1)
+    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True)
+    p = t.permute(order)
+    return p.view(-1) if p.is_contiguous() else t.reshape(-1)
 
 
 _sync: GradSync | None = None
