@@ -209,7 +209,6 @@ def on_failure(error: BaseException, run: Any) -> Any:
 
 
 GRAPH_MIXING = "NCCL_GRAPH_MIXING_SUPPORT"
-HIGH_PRIORITY_ENV = "MPSRUN_DDP_HIGH_PRIORITY"  # 1: NCCL's stream at high priority (is_high_priority_stream), for measuring
 
 
 def nccl_defaults(env: Any = None) -> dict[str, str]:
@@ -242,8 +241,6 @@ def init(ctx: Context, device: torch.device) -> str:
             kwargs["device_id"] = device  # eager NCCL communicator on this rank's GPU
         if backend == "nccl":
             nccl_defaults()
-            if os.environ.get(HIGH_PRIORITY_ENV, "0") == "1":  # measuring: NCCL's kernels ahead of backward's blocks
-                kwargs["pg_options"] = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
         dist.init_process_group(
             backend, rank=ctx.rank, world_size=ctx.world_size, timeout=datetime.timedelta(seconds=timeout_s()), **kwargs
         )
