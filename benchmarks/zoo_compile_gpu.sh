@@ -8,8 +8,12 @@
 #
 #   source benchmarks/gpu_setup.sh && OUT=$OUT bash benchmarks/zoo_compile_gpu.sh
 #   QUICK=1 DEVICE=cpu OUT=/tmp/zc bash benchmarks/zoo_compile_gpu.sh      # the logic, tiny, on a CPU
+#
+# VARIANTS (default "graphs compile"): also `torchpool`, today's engine with torch's max-pool kernels
+# (MPSRUN_FUSED_POOL=0) instead of fused_pool's, and `profiled`, the engine with its last epoch under
+# torch.profiler (its kernel table in $OUT/profile-zoo.txt; that run's figure is not a measurement).
 set -u
-DEVICE=${DEVICE:-cuda}; QUICK=${QUICK:-0}; ROUNDS=${ROUNDS:-1}
+DEVICE=${DEVICE:-cuda}; QUICK=${QUICK:-0}; ROUNDS=${ROUNDS:-1}; VARIANTS=${VARIANTS:-"graphs compile"}
 OUT=${OUT:-zoo-compile-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 REPO=$(pwd); RECIPE=$REPO/recipes/vision_zoo_bench.yaml
 WORK=$(mktemp -d); cd "$WORK" || exit 1
@@ -25,15 +29,20 @@ COMMON=(device=$DEVICE model.arch=resnet18 dataset.root="$WORK/data" dataset.sub
         dataset.test_subset=64 epochs=$EPOCHS batch_size=$BATCH tracking.experiment=zoo_compile tracking.log_model=false
         tracking.system_metrics=false checkpoint.every=0 "${EXTRA[@]}")
 for r in $(seq "$ROUNDS"); do
-  for v in graphs compile; do
-    args=(); [ "$v" = compile ] && args=(compile=true)
+  for v in $VARIANTS; do
+    args=(); env=()
+    case $v in
+      compile) args=(compile=true) ;;
+      torchpool) env=(MPSRUN_FUSED_POOL=0) ;;
+      profiled) env=(MPSRUN_PROFILE_EPOCH="$EPOCHS" MPSRUN_PROFILE_OUT="$OUT/profile-zoo.txt") ;;
+    esac
     t0=$SECONDS
-    timeout -s INT -k 20 400 python3 -m mpsrun run "$RECIPE" "${COMMON[@]}" "${args[@]}" tracking.run_name="$v" -q >> "$LOG" 2>&1
+    env "${env[@]}" timeout -s INT -k 20 400 python3 -m mpsrun run "$RECIPE" "${COMMON[@]}" "${args[@]}" tracking.run_name="$v" -q >> "$LOG" 2>&1
     echo "-- $v round $r: exit $?, $((SECONDS - t0)) s wall" | tee -a "$LOG"
   done
 done
-python3 - "$OUT" <<'PY' | tee "$OUT/zoo_compile.md"
-import statistics, sys
+VARIANTS="$VARIANTS" python3 - "$OUT" <<'PY' | tee "$OUT/zoo_compile.md"
+import os, statistics, sys
 from pathlib import Path
 from mlflow.tracking import MlflowClient
 from mpsrun.track.records.names import from_mlflow
@@ -43,12 +52,14 @@ rows = {}
 for r in c.search_runs([exp.experiment_id]) if exp else []:
     if r.info.status == "FINISHED":
         m = from_mlflow(r.data.metrics)
-        rows.setdefault(r.info.run_name, []).append((m.get("steady_train_samples_per_s"), m.get("first_epoch_time_s"), r.data.tags.get("mpsrun.notes", "")))
-print("| variant | steady img/s (median) | first epoch s | vs graphs | notes |\n| --- | ---: | ---: | ---: | --- |")
+        rows.setdefault(r.info.run_name, []).append((m.get("steady_train_samples_per_s"), m.get("first_epoch_time_s"), r.data.tags.get("mpsrun.notes", ""),
+                                                     m.get("val_loss"), r.data.params.get("resolved.fused_pool")))
+print("| variant | steady img/s (median) | first epoch s | vs graphs | runs: img/s, last val_loss, fused_pool | notes |\n| --- | ---: | ---: | ---: | --- | --- |")
 base = statistics.median(x[0] for x in rows["graphs"]) if rows.get("graphs") else None
-for v in ("graphs", "compile"):
+for v in os.environ["VARIANTS"].split():
     if v not in rows:
         print(f"| {v} | failed | | | |"); continue
     ips = statistics.median(x[0] for x in rows[v])
-    print(f"| {v} | {ips:,.0f} | {statistics.median(x[1] for x in rows[v]):.1f} | {ips / base if base else float('nan'):.2f}x | {rows[v][0][2][:200].replace('|', ';')} |")
+    each = "; ".join(f"{x[0]:,.0f}, {x[3]:.4f}, {x[4]}" for x in rows[v])
+    print(f"| {v} | {ips:,.0f} | {statistics.median(x[1] for x in rows[v]):.1f} | {ips / base if base else float('nan'):.3f}x | {each} | {rows[v][0][2][:200].replace('|', ';')} |")
 PY

@@ -116,6 +116,9 @@ def build(recipe: Recipe, splits: DataSplits, model: nn.Module, optimizer: torch
     note = _fuse_layers(model, device, options, recipe.batch_size)
     if note:
         out.notes.append(note)
+    note = _fuse_pools(model, device, options)
+    if note:
+        out.notes.append(note)
     if recipe.scheduler is not None and options.graphs:
         how = schedulers.tensor_lr(optimizer, device)
         out.notes.append(f"scheduler: the learning rate is a device tensor the CUDA graphs read; {how}")
@@ -153,6 +156,32 @@ def build(recipe: Recipe, splits: DataSplits, model: nn.Module, optimizer: torch
 def metric_names(objective: Objective) -> list[str]:
     names = list(ALWAYS) + [f"val_{m}" for m in objective.metrics.names]
     return names + (["grad_norm"] if objective.grad_norm is not None else [])
+
+
+def _fuse_pools(model: nn.Module, device: torch.device, options: Options) -> str:
+    """Turn on the max-pool kernels where they apply; the note says why not on a CUDA run whose model has max-pools."""
+    if device.type != "cuda":
+        return ""
+    from mpsrun.train.loop import fused_pool
+
+    if not fused_pool.candidates(model):
+        return ""
+    why = None
+    if not options.graphs:
+        why = "CUDA graphs are off (the kernels run where steps are replayed)"
+    elif not options.channels_last:
+        why = "channels_last is off (the kernels are for channels_last tensors)"
+    elif os.environ.get("MPSRUN_FUSED_POOL", "1").strip().lower() in ("0", "false", "no", "off"):
+        why = "MPSRUN_FUSED_POOL=0"
+    else:
+        try:
+            import triton  # noqa: F401
+        except Exception as e:  # pragma: no cover - CUDA torch ships triton
+            why = f"triton is not importable ({type(e).__name__})"
+    if why is None:
+        options.fused_pool = True
+        return ""
+    return f"pools: torch's max-pool kernels, not the fused ones ({why})"
 
 
 def _check_monitor(where: str, name: str, objective: Objective) -> None:

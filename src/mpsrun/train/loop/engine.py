@@ -120,6 +120,16 @@ def _capture_or_eager(trainer: "GraphTrainer", plan: BatchPlan, listener: Listen
         trainer.capture(plan)
         return trainer
     except Exception as e:
+        if trainer.options.fused_pool:  # the max-pool kernels first: graphs without them still pay
+            why = str(e).splitlines()[0][:300] if str(e) else ""
+            note = f"pools: torch's max-pool kernels, not the fused ones ({type(e).__name__} before or during capture: {why})"
+            trainer.options.notes.append(note)
+            trainer.options.fused_pool = False
+            listener.on_note(note)
+            trainer.graphs.clear()
+            trainer.pool = None
+            trainer.pools = None
+            return _capture_or_eager(trainer, plan, listener)
         if trainer.options.fused_linear:  # the fused layers' kernels first: graphs without them still pay
             why = str(e).splitlines()[0][:300] if str(e) else ""
             note = f"layers: torch's Linear kernels, not the fused ones ({type(e).__name__} before or during capture: {why})"

@@ -22,6 +22,7 @@ from mpsrun.train.loop.objective import Objective, micro_batches
 
 if TYPE_CHECKING:
     from mpsrun.train.loop.fused_linear import Planned
+    from mpsrun.train.loop.fused_pool import Pools
 
 GRAPH_STEPS = 16  # training steps per CUDA graph replay
 
@@ -37,6 +38,7 @@ class Options:
     log_every: int = 0
     cudnn_benchmark: bool = False
     fused_linear: bool = False  # an MLP's Linear (+ ReLU) layers as Triton kernels inside the graphs (fused_linear.py)
+    fused_pool: bool = False  # channels_last max-pools as Triton kernels inside the graphs (fused_pool.py)
     notes: list[str] = field(default_factory=list)  # fallbacks and skipped optimisations
 
     def as_params(self) -> dict[str, str]:
@@ -47,6 +49,7 @@ class Options:
             "resolved.graphs": str(self.graphs).lower(),
             "resolved.cudnn_benchmark": str(self.cudnn_benchmark).lower(),
             "resolved.fused_linear": str(self.fused_linear).lower(),
+            "resolved.fused_pool": str(self.fused_pool).lower(),
         }
 
 
@@ -176,6 +179,11 @@ class GraphTrainer(Trainer):
             from mpsrun.train.loop import fused_linear
 
             self.fused = fused_linear.plan(self.model)
+        self.pools: Pools | None = None
+        if self.options.fused_pool:  # swapped in for warm-up and capture only: the replays run them
+            from mpsrun.train.loop import fused_pool
+
+            self.pools = fused_pool.plan(self.model)
         self.graphs: dict[tuple[str, int, int, float], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = None
 
@@ -189,8 +197,9 @@ class GraphTrainer(Trainer):
         if kind == "train" and self.fused is not None:
             self.fused.check(b)  # fused layers: the same answers as torch's at this batch size, or Mismatch (torch's kernels then)
         snapshot = snapshot_state(self.model, self.optimizer, self.accumulators())
+        pools = self.pools.swapped() if self.pools is not None else contextlib.nullcontext()
         try:
-            with torch.no_grad() if kind == "val" else contextlib.nullcontext():
+            with pools, torch.no_grad() if kind == "val" else contextlib.nullcontext():
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
