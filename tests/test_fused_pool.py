@@ -116,7 +116,7 @@ def test_graphs_with_the_kernels_train_as_torch_s_max_pool_cuda() -> None:
         model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
                               nn.Conv2d(16, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)).to(dev)
         model = model.to(memory_format=torch.channels_last)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)  # as the engine builds it under graphs
         options = Options(precision="bf16", channels_last=True, graphs=True, fused_pool=pools)
         trainer = GraphTrainer(model, opt, dev, options)
         assert (trainer.pools is not None) == pools
