@@ -130,3 +130,34 @@ def test_graphs_with_the_kernels_train_as_torch_s_max_pool_cuda() -> None:
         results.append([p.detach().float().clone() for p in model.parameters()])
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def test_a_capture_that_fails_with_the_kernels_is_retried_without_them_and_said_capture_simulated() -> None:
+    """The fallback order of engine._capture_or_eager: the max-pool kernels go first (then the fused layers, then the
+    graphs), each said. CUDA graph capture cannot run here, so `capture` is a stand-in that fails once."""
+    from mpsrun.train.loop import engine
+    from mpsrun.train.loop.events import Listener
+
+    class Notes(Listener):
+        def __init__(self) -> None:
+            self.notes: list[str] = []
+
+        def on_note(self, message: str) -> None:
+            self.notes.append(message)
+
+    class Stand:  # what _capture_or_eager reads of a GraphTrainer
+        def __init__(self) -> None:
+            self.options = Options(graphs=True, channels_last=True, fused_pool=True, fused_linear=True)
+            self.graphs, self.pool, self.pools, self.fused, self.calls = {"k": 1}, object(), object(), object(), 0
+
+        def capture(self, plan: object) -> None:
+            self.calls += 1
+            if self.calls == 1:
+                raise fused_pool.Mismatch("max-pool (2, 3, 9, 9) torch.bfloat16: the output differs from torch's")
+
+    stand, listener = Stand(), Notes()
+    assert engine._capture_or_eager(stand, None, listener) is stand  # type: ignore[arg-type]
+    assert stand.calls == 2 and not stand.options.fused_pool and stand.pools is None and not stand.graphs
+    assert stand.options.fused_linear and stand.options.graphs  # only the kernels that failed were given up
+    assert listener.notes == stand.options.notes[-1:]
+    assert listener.notes[0].startswith("pools: torch's max-pool kernels, not the fused ones (Mismatch before or during capture: max-pool")
