@@ -119,6 +119,9 @@ def build(recipe: Recipe, splits: DataSplits, model: nn.Module, optimizer: torch
     note = _fuse_pools(model, device, options)
     if note:
         out.notes.append(note)
+    note = _fuse_norms(model, device, options)
+    if note:
+        out.notes.append(note)
     if recipe.scheduler is not None and options.graphs:
         how = schedulers.tensor_lr(optimizer, device)
         out.notes.append(f"scheduler: the learning rate is a device tensor the CUDA graphs read; {how}")
@@ -182,6 +185,22 @@ def _fuse_pools(model: nn.Module, device: torch.device, options: Options) -> str
         options.fused_pool = True
         return ""
     return f"pools: torch's max-pool kernels, not the fused ones ({why})"
+
+
+def _fuse_norms(model: nn.Module, device: torch.device, options: Options) -> str:
+    """The batch-norm statistics kernel where `MPSRUN_FUSED_NORM=1` asks for it (opt-in); the note says why not."""
+    if device.type != "cuda" or os.environ.get("MPSRUN_FUSED_NORM", "0").strip().lower() not in ("1", "true", "yes", "on"):
+        return ""
+    from mpsrun.train.loop import fused_norm
+
+    if not fused_norm.candidates(model):
+        return ""
+    if not options.graphs:
+        return "norms: torch's batch-norm statistics, not the fused ones (CUDA graphs are off)"
+    if not options.channels_last:
+        return "norms: torch's batch-norm statistics, not the fused ones (channels_last is off)"
+    options.fused_norm = True
+    return ""
 
 
 def _check_monitor(where: str, name: str, objective: Objective) -> None:

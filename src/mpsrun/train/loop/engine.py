@@ -114,22 +114,30 @@ def train(
     return TrainResult(results, state.stop_reason)
 
 
+# Kernels GraphTrainer swaps into the model's modules for capture: (option, trainer attribute, the note's words)
+_SWAPPED = (
+    ("fused_pool", "pools", "pools: torch's max-pool kernels, not the fused ones"),
+    ("fused_norm", "norms", "norms: torch's batch-norm statistics, not the fused ones"),
+)
+
+
 def _capture_or_eager(trainer: "GraphTrainer", plan: BatchPlan, listener: Listener) -> Trainer:
     """Capture every graph the epochs need; on failure say so and run eager."""
     try:
         trainer.capture(plan)
         return trainer
     except Exception as e:
-        if trainer.options.fused_pool:  # the max-pool kernels first: graphs without them still pay
-            why = str(e).splitlines()[0][:300] if str(e) else ""
-            note = f"pools: torch's max-pool kernels, not the fused ones ({type(e).__name__} before or during capture: {why})"
-            trainer.options.notes.append(note)
-            trainer.options.fused_pool = False
-            listener.on_note(note)
-            trainer.graphs.clear()
-            trainer.pool = None
-            trainer.pools = None
-            return _capture_or_eager(trainer, plan, listener)
+        for flag, holder, what in _SWAPPED:  # the swapped-in kernels first, one at a time: graphs without them still pay
+            if getattr(trainer.options, flag):
+                why = str(e).splitlines()[0][:300] if str(e) else ""
+                note = f"{what} ({type(e).__name__} before or during capture: {why})"
+                trainer.options.notes.append(note)
+                setattr(trainer.options, flag, False)
+                listener.on_note(note)
+                trainer.graphs.clear()
+                trainer.pool = None
+                setattr(trainer, holder, None)
+                return _capture_or_eager(trainer, plan, listener)
         if trainer.options.fused_linear:  # the fused layers' kernels first: graphs without them still pay
             why = str(e).splitlines()[0][:300] if str(e) else ""
             note = f"layers: torch's Linear kernels, not the fused ones ({type(e).__name__} before or during capture: {why})"

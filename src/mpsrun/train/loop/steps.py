@@ -22,6 +22,7 @@ from mpsrun.train.loop.objective import Objective, micro_batches
 
 if TYPE_CHECKING:
     from mpsrun.train.loop.fused_linear import Planned
+    from mpsrun.train.loop.fused_norm import Norms
     from mpsrun.train.loop.fused_pool import Pools
 
 GRAPH_STEPS = 16  # training steps per CUDA graph replay
@@ -39,6 +40,7 @@ class Options:
     cudnn_benchmark: bool = False
     fused_linear: bool = False  # an MLP's Linear (+ ReLU) layers as Triton kernels inside the graphs (fused_linear.py)
     fused_pool: bool = False  # channels_last max-pools as Triton kernels inside the graphs (fused_pool.py)
+    fused_norm: bool = False  # batch-norm statistics as a Triton reduction inside the graphs (fused_norm.py; opt-in)
     notes: list[str] = field(default_factory=list)  # fallbacks and skipped optimisations
 
     def as_params(self) -> dict[str, str]:
@@ -50,6 +52,7 @@ class Options:
             "resolved.cudnn_benchmark": str(self.cudnn_benchmark).lower(),
             "resolved.fused_linear": str(self.fused_linear).lower(),
             "resolved.fused_pool": str(self.fused_pool).lower(),
+            "resolved.fused_norm": str(self.fused_norm).lower(),
         }
 
 
@@ -184,6 +187,11 @@ class GraphTrainer(Trainer):
             from mpsrun.train.loop import fused_pool
 
             self.pools = fused_pool.plan(self.model)
+        self.norms: Norms | None = None
+        if self.options.fused_norm:
+            from mpsrun.train.loop import fused_norm
+
+            self.norms = fused_norm.plan(self.model)
         self.graphs: dict[tuple[str, int, int, float], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = None
 
@@ -198,8 +206,9 @@ class GraphTrainer(Trainer):
             self.fused.check(b)  # fused layers: the same answers as torch's at this batch size, or Mismatch (torch's kernels then)
         snapshot = snapshot_state(self.model, self.optimizer, self.accumulators())
         pools = self.pools.swapped() if self.pools is not None else contextlib.nullcontext()
+        norms = self.norms.swapped() if self.norms is not None else contextlib.nullcontext()
         try:
-            with pools, torch.no_grad() if kind == "val" else contextlib.nullcontext():
+            with pools, norms, torch.no_grad() if kind == "val" else contextlib.nullcontext():
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
