@@ -10,7 +10,8 @@
 #   QUICK=1 DEVICE=cpu OUT=/tmp/zc bash benchmarks/zoo_compile_gpu.sh      # the logic, tiny, on a CPU
 #
 # VARIANTS (default "graphs compile"): also `torchpool`, today's engine with torch's max-pool kernels
-# (MPSRUN_FUSED_POOL=0) instead of fused_pool's, and `profiled`, the engine with its last epoch under
+# (MPSRUN_FUSED_POOL=0) instead of fused_pool's, `norm`, the engine with fused_norm's batch-norm statistics
+# (MPSRUN_FUSED_NORM=1, opt-in), and `profiled`, the engine with its last epoch under
 # torch.profiler (its kernel table in $OUT/profile-zoo.txt; that run's figure is not a measurement).
 set -u
 DEVICE=${DEVICE:-cuda}; QUICK=${QUICK:-0}; ROUNDS=${ROUNDS:-1}; VARIANTS=${VARIANTS:-"graphs compile"}
@@ -34,6 +35,7 @@ for r in $(seq "$ROUNDS"); do
     case $v in
       compile) args=(compile=true) ;;
       torchpool) env=(MPSRUN_FUSED_POOL=0) ;;
+      norm) env=(MPSRUN_FUSED_NORM=1) ;;
       profiled) env=(MPSRUN_PROFILE_EPOCH="$EPOCHS" MPSRUN_PROFILE_OUT="$OUT/profile-zoo.txt") ;;
     esac
     t0=$SECONDS
@@ -53,8 +55,8 @@ for r in c.search_runs([exp.experiment_id]) if exp else []:
     if r.info.status == "FINISHED":
         m = from_mlflow(r.data.metrics)
         rows.setdefault(r.info.run_name, []).append((m.get("steady_train_samples_per_s"), m.get("first_epoch_time_s"), r.data.tags.get("mpsrun.notes", ""),
-                                                     m.get("val_loss"), r.data.params.get("resolved.fused_pool")))
-print("| variant | steady img/s (median) | first epoch s | vs graphs | runs: img/s, last val_loss, fused_pool | notes |\n| --- | ---: | ---: | ---: | --- | --- |")
+                                                     m.get("val_loss"), r.data.params.get("resolved.fused_pool") + "/" + str(r.data.params.get("resolved.fused_norm"))))
+print("| variant | steady img/s (median) | first epoch s | vs graphs | runs: img/s, last val_loss, fused_pool/fused_norm | notes |\n| --- | ---: | ---: | ---: | --- | --- |")
 base = statistics.median(x[0] for x in rows["graphs"]) if rows.get("graphs") else None
 for v in os.environ["VARIANTS"].split():
     if v not in rows:
