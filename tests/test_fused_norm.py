@@ -73,8 +73,10 @@ def test_it_is_opt_in_and_says_why_not_where_asked(monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch's batch-norm ops and the kernels on a GPU)")
 def test_graphs_with_the_statistics_train_as_torch_s_batch_norm_cuda() -> None:
-    """A small CNN, 3 replays of graphs (bf16, channels_last), with the kernel and with torch's batch-norm: parameters and
-    running statistics within fp32 rounding of each other, and the modules plain afterwards."""
+    """A small CNN, 3 epochs of graph replays (fp32, channels_last, SGD), with the kernel and with torch's batch-norm:
+    parameters and running statistics within fp32 rounding of each other, and the modules plain afterwards. (bf16
+    and Adam, as the zoo trains, amplify rounding: the last bit of a bf16 output, or the sign of a near-zero
+    gradient under Adam, moves a parameter by a whole step; `check` and the zoo run cover them.)"""
     from mpsrun.train.loop.data import BatchPlan, ResidentBatches
     from mpsrun.train.loop.events import Listener
     from mpsrun.train.loop.steps import GraphTrainer
@@ -89,8 +91,8 @@ def test_graphs_with_the_statistics_train_as_torch_s_batch_norm_cuda() -> None:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 8, 3), nn.BatchNorm2d(8),
                               nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)).to(dev).to(memory_format=torch.channels_last)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
-        trainer = GraphTrainer(model, opt, dev, Options(precision="bf16", channels_last=True, graphs=True, fused_norm=norms))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        trainer = GraphTrainer(model, opt, dev, Options(precision="fp32", channels_last=True, graphs=True, fused_norm=norms))
         assert (trainer.norms is not None) == norms
         plan = BatchPlan(ResidentBatches(x, y, 16, dev, True, 0), ResidentBatches(x[:32], y[:32], 16, dev, False, 0), True, "test")
         trainer.capture(plan)
@@ -100,4 +102,4 @@ def test_graphs_with_the_statistics_train_as_torch_s_batch_norm_cuda() -> None:
         assert not any("forward" in m.__dict__ for m in model.modules())
         results.append([t.detach().float().clone() for t in (*model.parameters(), *model.buffers())])
     for a, b in zip(*results):
-        assert torch.allclose(a, b, rtol=1e-2, atol=1e-3), (a - b).abs().max()
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (a - b).abs().max()
