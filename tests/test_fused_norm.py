@@ -41,6 +41,8 @@ print(json.dumps(out))
 
 def test_the_statistics_are_float64_s_in_triton_s_interpreter() -> None:
     pytest.importorskip("triton", reason="Triton is not installed here")
+    if torch.cuda.is_available():
+        pytest.skip("on a CUDA machine the _cuda test runs the kernels themselves")
     done = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert [r[0] for r in json.loads(done.stdout.strip().splitlines()[-1])] == ["checked"] * 4 + ["long"]

@@ -55,6 +55,8 @@ print(json.dumps(out))
 
 def test_the_kernels_give_torch_s_answers_in_triton_s_interpreter() -> None:
     pytest.importorskip("triton", reason="Triton is not installed here")
+    if torch.cuda.is_available():
+        pytest.skip("on a CUDA machine the _cuda test runs the kernels themselves")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
