@@ -6,14 +6,14 @@ steps, as train/loop/steps.py does, in variants that change one thing at a time:
 
 - ref: what mpsrun trains with today (F.cross_entropy, nn.ReLU, fused SGD, loss sum add);
 - ce: cross-entropy forward and backward as one Triton kernel each
-  (train/loop/fused_ce.py), the loss sum folded into the forward kernel;
+  (train/kernels/fused_ce.py), the loss sum folded into the forward kernel;
 - relu: Linear + ReLU forward as one cuBLASLt call with a ReLU epilogue
   (`torch._addmm_activation`), backward as torch's ops;
 - compile: the loss function compiled by inductor (for scale: what compile would buy);
 - addcmul: the uint8 batch straight into addcmul (no separate cast kernel);
 - lt: cuBLASLt preferred for the GEMMs (`torch.backends.cuda.preferred_blas_library`);
 - tf32: TF32 tensor-core GEMMs (for scale only: an fp32 recipe keeps fp32 GEMMs);
-- mlp: each Linear (+ ReLU) one Triton kernel forward and one backward (train/loop/fused_linear.py),
+- mlp: each Linear (+ ReLU) one Triton kernel forward and one backward (train/kernels/fused_linear.py),
   `mlp:NAME[@P]` with one of TILES' tile sizes (and about P programs for a split forward); `mlp3` the same with three TF32 tensor-core products
   (Triton's tf32x3) instead of IEEE fp32 FMAs, for scale;
 - combinations.
@@ -91,7 +91,7 @@ def build(variant: str, dev: torch.device) -> tuple[Callable[[], None], Any]:
     a = torch.full((1, 1, 1, 1), 1 / 255 / 0.353, device=dev)
     b = torch.full((1, 1, 1, 1), -0.286 / 0.353, device=dev)
     if "ce" in variant:
-        from mpsrun.train.loop import fused_ce
+        from mpsrun.train.kernels import fused_ce
 
         def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return fused_ce.cross_entropy(logits, y, loss_sum)
@@ -110,7 +110,7 @@ def build(variant: str, dev: torch.device) -> tuple[Callable[[], None], Any]:
 
     forward: Callable[[torch.Tensor], torch.Tensor] = model
     if "mlp" in variant:
-        from mpsrun.train.loop import fused_linear as fl
+        from mpsrun.train.kernels import fused_linear as fl
 
         name = variant.split(":")[1] if ":" in variant else "a"  # mlp:NAME[@PROGRAMS]
         name, _, programs = name.partition("@")

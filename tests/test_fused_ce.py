@@ -1,4 +1,4 @@
-"""The fused cross-entropy (train/loop/fused_ce.py): its kernel's arithmetic, and when a run uses it.
+"""The fused cross-entropy (train/kernels/fused_ce.py): its kernel's arithmetic, and when a run uses it.
 
 The kernel runs here in Triton's CPU interpreter (TRITON_INTERPRET=1, a child process);
 on a CUDA machine the `_cuda` test runs the compiled kernel against torch's.
@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from mpsrun.train.loop import fused_ce
+from mpsrun.train.kernels import fused_ce
 from mpsrun.train.loop.losses import TaskLoss
 
 CHECK = """
 import torch, json
-from mpsrun.train.loop import fused_ce
+from mpsrun.train.kernels import fused_ce
 torch.manual_seed(0)
 out = []
 # (rows, classes): the fashion step, a short tail batch, several row blocks, many classes, bf16 logits

@@ -1,4 +1,4 @@
-"""The fused Linear (+ ReLU) layers (train/loop/fused_linear.py): their arithmetic, and when a run uses them.
+"""The fused Linear (+ ReLU) layers (train/kernels/fused_linear.py): their arithmetic, and when a run uses them.
 
 The kernels run here in Triton's CPU interpreter (TRITON_INTERPRET=1, a child process, with
 `fits` widened to CPU tensors); on a CUDA machine the `_cuda` test runs the compiled kernels
@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from mpsrun.train.assemble import _fuse_layers
-from mpsrun.train.loop import fused_linear
+from mpsrun.train.kernels import fused_linear
 from mpsrun.train.loop.steps import Options
 
 CHECK = """
 import copy, json, torch
 from torch import nn
-from mpsrun.train.loop import fused_linear as fl
+from mpsrun.train.kernels import fused_linear as fl
 fl.fits = lambda x, layer: x.dim() == 2 and torch.is_grad_enabled()  # the interpreter runs on CPU tensors
 torch.manual_seed(0)
 out = []

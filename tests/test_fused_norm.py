@@ -1,4 +1,4 @@
-"""The batch-norm statistics kernel (train/loop/fused_norm.py; opt-in): its arithmetic, and when a run uses it.
+"""The batch-norm statistics kernel (train/kernels/fused_norm.py; opt-in): its arithmetic, and when a run uses it.
 
 The kernels run here in Triton's CPU interpreter (TRITON_INTERPRET=1, a child process); torch's
 `batch_norm_stats` and the ops around it exist on CUDA only, so there the reference is float64
@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from mpsrun.train.assemble import _fuse_norms
-from mpsrun.train.loop import fused_norm
+from mpsrun.train.kernels import fused_norm
 from mpsrun.train.loop.steps import Options
 
 CHECK = """
 import json, torch
-from mpsrun.train.loop import fused_norm as fn
+from mpsrun.train.kernels import fused_norm as fn
 def ref(x, eps):  # torch.batch_norm_stats' answer, in float64
     v = x.double().permute(0, 2, 3, 1).reshape(-1, x.shape[1])
     return v.mean(0).float(), (1 / (v.var(0, unbiased=False) + eps).sqrt()).float()

@@ -1,4 +1,4 @@
-"""The channels_last max-pool kernels (train/loop/fused_pool.py): their answers, and when a run uses them.
+"""The channels_last max-pool kernels (train/kernels/fused_pool.py): their answers, and when a run uses them.
 
 The kernels run here in Triton's CPU interpreter (TRITON_INTERPRET=1, a child process, with
 `fits` widened to CPU tensors); on a CUDA machine the `_cuda` test trains a small CNN with them
@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from mpsrun.train.assemble import _fuse_pools
-from mpsrun.train.loop import fused_pool
+from mpsrun.train.kernels import fused_pool
 from mpsrun.train.loop.steps import Options
 
 CHECK = """
 import json, torch
 from torch import nn
-from mpsrun.train.loop import fused_pool as fp
+from mpsrun.train.kernels import fused_pool as fp
 fp.fits = lambda x: x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)  # the interpreter runs on CPU tensors
 out = []
 # ResNet's stem (3x3, stride 2, padding 1) on odd and even sizes, a 2x2 pool, overlapping stride-1 windows, bf16 with 64 channels

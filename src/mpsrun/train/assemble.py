@@ -165,7 +165,7 @@ def _fuse_pools(model: nn.Module, device: torch.device, options: Options) -> str
     """Turn on the max-pool kernels where they apply; the note says why not on a CUDA run whose model has max-pools."""
     if device.type != "cuda":
         return ""
-    from mpsrun.train.loop import fused_pool
+    from mpsrun.train.kernels import fused_pool
 
     if not fused_pool.candidates(model):
         return ""
@@ -191,7 +191,7 @@ def _fuse_norms(model: nn.Module, device: torch.device, options: Options) -> str
     """The batch-norm statistics kernel where `MPSRUN_FUSED_NORM=1` asks for it (opt-in); the note says why not."""
     if device.type != "cuda" or os.environ.get("MPSRUN_FUSED_NORM", "0").strip().lower() not in ("1", "true", "yes", "on"):
         return ""
-    from mpsrun.train.loop import fused_norm
+    from mpsrun.train.kernels import fused_norm
 
     if not fused_norm.candidates(model):
         return ""
@@ -213,7 +213,7 @@ def _fuse_layers(model: nn.Module, device: torch.device, options: Options, batch
     """Turn on the fused Linear (+ ReLU) kernels where they apply; the note says why not where a user would expect them."""
     if device.type != "cuda":
         return ""
-    from mpsrun.train.loop import fused_linear
+    from mpsrun.train.kernels import fused_linear
 
     why = fused_linear.why_not(model, device, options.precision, options.graphs, options.compile, batch_size)
     if why is None and os.environ.get("MPSRUN_FUSED_LINEAR", "1").strip().lower() in ("0", "false", "no", "off"):

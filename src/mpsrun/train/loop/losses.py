@@ -41,7 +41,7 @@ class TaskLoss(nn.Module):
         self.inner = inner
         self.task = task
         self.name = name
-        self.fused = False  # cross-entropy in one Triton kernel each way (train/loop/fused_ce.py), set by `fuse`
+        self.fused = False  # cross-entropy in one Triton kernel each way (train/kernels/fused_ce.py), set by `fuse`
 
     def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if out.dtype != torch.float64:  # fp16/bf16 outputs meet the loss in fp32; fp64 (parity's yardstick) stays
@@ -58,7 +58,7 @@ class TaskLoss(nn.Module):
         One call so that the fused cross-entropy can do both in its one forward kernel.
         """
         if self.fused:
-            from mpsrun.train.loop import fused_ce
+            from mpsrun.train.kernels import fused_ce
 
             if fused_ce.fits(out, y):
                 return fused_ce.cross_entropy(out, y, loss_sum, ignore_index=self.inner.ignore_index)  # type: ignore[attr-defined]
@@ -73,7 +73,7 @@ class TaskLoss(nn.Module):
         """
         if self.task != "classification" or device.type != "cuda" or not isinstance(self.inner, nn.CrossEntropyLoss):
             return ""
-        from mpsrun.train.loop import fused_ce
+        from mpsrun.train.kernels import fused_ce
 
         why = fused_ce.why_not(self.inner, device) or fused_ce.too_large(batch_size, num_classes)
         if why is not None:

@@ -21,9 +21,9 @@ from mpsrun.train.loop.events import Listener
 from mpsrun.train.loop.objective import Objective, micro_batches
 
 if TYPE_CHECKING:
-    from mpsrun.train.loop.fused_linear import Planned
-    from mpsrun.train.loop.fused_norm import Norms
-    from mpsrun.train.loop.fused_pool import Pools
+    from mpsrun.train.kernels.fused_linear import Planned
+    from mpsrun.train.kernels.fused_norm import Norms
+    from mpsrun.train.kernels.fused_pool import Pools
 
 GRAPH_STEPS = 16  # training steps per CUDA graph replay
 
@@ -179,17 +179,17 @@ class GraphTrainer(Trainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.options.fused_linear:  # fused layers only where they are replayed: a Triton launch from Python costs more
-            from mpsrun.train.loop import fused_linear
+            from mpsrun.train.kernels import fused_linear
 
             self.fused = fused_linear.plan(self.model)
         self.pools: Pools | None = None
         if self.options.fused_pool:  # swapped in for warm-up and capture only: the replays run them
-            from mpsrun.train.loop import fused_pool
+            from mpsrun.train.kernels import fused_pool
 
             self.pools = fused_pool.plan(self.model)
         self.norms: Norms | None = None
         if self.options.fused_norm:
-            from mpsrun.train.loop import fused_norm
+            from mpsrun.train.kernels import fused_norm
 
             self.norms = fused_norm.plan(self.model)
         self.graphs: dict[tuple[str, int, int, float], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
