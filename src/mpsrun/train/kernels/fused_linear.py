@@ -26,6 +26,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from mpsrun.train.kernels.swap import hooked
+
 MAX_ROWS = 256  # batch rows the small tiles are for; larger batches fill the GPU through cuBLAS
 
 # tile sizes (rows, outputs, reduction) and warps, chosen on the H100 (docs/benchmarks.md, "The step")
@@ -232,10 +234,6 @@ def fits(x: torch.Tensor, layer: nn.Linear) -> bool:
             and (layer.bias is None or layer.bias.dtype == torch.float32))
 
 
-def _hooked(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None))
-
-
 def why_not(model: nn.Module, device: torch.device, precision: str, graphs: bool, compiled: bool, batch_size: int) -> Optional[str]:
     """None when `plan` can fuse this model's layers; else why not (for the run's notes).
 
@@ -254,7 +252,7 @@ def why_not(model: nn.Module, device: torch.device, precision: str, graphs: bool
         return "compile is on"
     if batch_size > MAX_ROWS:
         return f"batch {batch_size} is above {MAX_ROWS} rows, where cuBLAS fills the GPU"
-    if any(_hooked(m) for m in model.modules()):
+    if any(hooked(m) for m in model.modules()):
         return "the model has module hooks, which a fused forward would skip"
     if any(p.dtype != torch.float32 or not p.requires_grad for p in model.parameters()):
         return "a parameter is not trainable fp32"

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
+
+from mpsrun.train.kernels import swap
 
 ROWS_PER_TILE = 64  # rows a program loads at once
 CHANNELS = 64  # channels a program reduces (128 bytes of bf16 a row)
@@ -156,13 +158,9 @@ class _BatchNorm(torch.autograd.Function):
         return gx, gw if need_w else None, gb if need_b else None, None, None, None, None
 
 
-def _hooked(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None))
-
-
 def candidates(model: nn.Module) -> list[nn.BatchNorm2d]:
     """Plain BatchNorm2d modules with a fixed momentum (a cumulative average reads a count on the host) and no hooks."""
-    return [m for m in model.modules() if type(m) is nn.BatchNorm2d and m.momentum is not None and not _hooked(m)]
+    return [m for m in model.modules() if type(m) is nn.BatchNorm2d and m.momentum is not None and not swap.hooked(m)]
 
 
 class Norms:
@@ -172,15 +170,9 @@ class Norms:
         self.modules = candidates(model)
         self.checked: set[tuple] = set()
 
-    @contextlib.contextmanager
-    def swapped(self) -> Iterator[None]:
-        for m in self.modules:
-            m.forward = functools.partial(self._call, m=m)  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            for m in self.modules:
-                m.__dict__.pop("forward", None)
+    def swapped(self) -> contextlib.AbstractContextManager:
+        """Each batch-norm's forward is `_call` inside the block (torch's own in evaluation mode)."""
+        return swap.swapped([(m, functools.partial(self._call, m=m)) for m in self.modules])
 
     def _call(self, x: torch.Tensor, m: nn.BatchNorm2d) -> torch.Tensor:
         if not (m.training and fits(x)):

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
+
+from mpsrun.train.kernels import swap
 
 BLOCK_POSITIONS = 32  # output (forward) or input (backward) positions per program
 BLOCK_CHANNELS = 64  # channels per program: the ResNet stem's 64 in one program, 128 bytes of bf16 a row
@@ -179,15 +181,11 @@ def max_pool(x: torch.Tensor, m: nn.MaxPool2d, geo: tuple[int, int, int, int]) -
     return _forward(x, geo, want_idx=False)[0]
 
 
-def _hooked(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None))
-
-
 def candidates(model: nn.Module) -> list[tuple[nn.MaxPool2d, tuple[int, int, int, int]]]:
     """The model's plain MaxPool2d modules the kernels can stand in for (no hooks, no dilation, floor mode)."""
     out = []
     for m in model.modules():
-        if type(m) is nn.MaxPool2d and not _hooked(m):
+        if type(m) is nn.MaxPool2d and not swap.hooked(m):
             geo = _geometry(m)
             if geo is not None and geo[3] <= min(geo[0], geo[1]) // 2:
                 out.append((m, geo))
@@ -201,16 +199,9 @@ class Pools:
         self.modules = candidates(model)
         self.checked: set[tuple] = set()
 
-    @contextlib.contextmanager
-    def swapped(self) -> Iterator[None]:
-        """Each pool's forward is the kernels' inside the block (an instance attribute, deleted after)."""
-        for m, geo in self.modules:
-            m.forward = functools.partial(self._call, m=m, geo=geo)  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            for m, _ in self.modules:
-                m.__dict__.pop("forward", None)
+    def swapped(self) -> contextlib.AbstractContextManager:
+        """Each pool's forward is the kernels' inside the block."""
+        return swap.swapped([(m, functools.partial(self._call, m=m, geo=geo)) for m, geo in self.modules])
 
     def _call(self, x: torch.Tensor, m: nn.MaxPool2d, geo: tuple[int, int, int, int]) -> torch.Tensor:
         if fits(x):

@@ -114,10 +114,12 @@ def train(
     return TrainResult(results, state.stop_reason)
 
 
-# Kernels GraphTrainer swaps into the model's modules for capture: (option, trainer attribute, the note's words)
-_SWAPPED = (
+# The kernels GraphTrainer captures instead of torch's (train/kernels/), in the order a failed capture gives them up:
+# (option, the trainer's attribute that holds them, the note's words)
+_KERNELS = (
     ("fused_pool", "pools", "pools: torch's max-pool kernels, not the fused ones"),
     ("fused_norm", "norms", "norms: torch's batch-norm statistics, not the fused ones"),
+    ("fused_linear", "fused", "layers: torch's Linear kernels, not the fused ones"),
 )
 
 
@@ -127,27 +129,17 @@ def _capture_or_eager(trainer: "GraphTrainer", plan: BatchPlan, listener: Listen
         trainer.capture(plan)
         return trainer
     except Exception as e:
-        for flag, holder, what in _SWAPPED:  # the swapped-in kernels first, one at a time: graphs without them still pay
+        for flag, holder, what in _KERNELS:  # the kernels first, one at a time: graphs without them still pay
             if getattr(trainer.options, flag):
                 why = str(e).splitlines()[0][:300] if str(e) else ""
                 note = f"{what} ({type(e).__name__} before or during capture: {why})"
                 trainer.options.notes.append(note)
                 setattr(trainer.options, flag, False)
                 listener.on_note(note)
-                trainer.graphs.clear()
+                trainer.graphs.clear()  # before the plan whose counters they write (fused layers)
                 trainer.pool = None
                 setattr(trainer, holder, None)
                 return _capture_or_eager(trainer, plan, listener)
-        if trainer.options.fused_linear:  # the fused layers' kernels first: graphs without them still pay
-            why = str(e).splitlines()[0][:300] if str(e) else ""
-            note = f"layers: torch's Linear kernels, not the fused ones ({type(e).__name__} before or during capture: {why})"
-            trainer.options.notes.append(note)
-            trainer.options.fused_linear = False
-            listener.on_note(note)
-            trainer.graphs.clear()  # before the plan whose counters they write
-            trainer.pool = None
-            trainer.fused = None
-            return _capture_or_eager(trainer, plan, listener)
         note = f"graphs: CUDA graph capture failed ({type(e).__name__}: {e}); running eager"
         trainer.options.notes.append(note)
         trainer.options.graphs = False
