@@ -10,8 +10,8 @@
 #   QUICK=1 DEVICE=cpu OUT=/tmp/zc bash benchmarks/zoo_compile_gpu.sh      # the logic, tiny, on a CPU
 #
 # VARIANTS (default "graphs compile"): also `torchpool`, today's engine with torch's max-pool kernels
-# (MPSRUN_FUSED_POOL=0) instead of fused_pool's, `norm`, the engine with fused_norm's batch-norm statistics
-# (MPSRUN_FUSED_NORM=1, opt-in), and `profiled`, the engine with its last epoch under
+# (MPSRUN_FUSED_POOL=0) instead of fused_pool's, `nonorm`, the engine with torch's batch-norm, ReLU and add
+# kernels (MPSRUN_FUSED_NORM=0) instead of fused_norm's, and `profiled`, the engine with its last epoch under
 # torch.profiler (its kernel table in $OUT/profile-zoo.txt; that run's figure is not a measurement).
 set -u
 DEVICE=${DEVICE:-cuda}; QUICK=${QUICK:-0}; ROUNDS=${ROUNDS:-1}; VARIANTS=${VARIANTS:-"graphs compile"}
@@ -35,7 +35,7 @@ for r in $(seq "$ROUNDS"); do
     case $v in
       compile) args=(compile=true) ;;
       torchpool) env=(MPSRUN_FUSED_POOL=0) ;;
-      norm) env=(MPSRUN_FUSED_NORM=1) ;;
+      nonorm) env=(MPSRUN_FUSED_NORM=0) ;;
       profiled) env=(MPSRUN_PROFILE_EPOCH="$EPOCHS" MPSRUN_PROFILE_OUT="$OUT/profile-zoo.txt") ;;
     esac
     t0=$SECONDS

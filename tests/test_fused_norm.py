@@ -1,9 +1,8 @@
-"""The batch-norm statistics kernel (train/kernels/fused_norm.py; opt-in): its arithmetic, and when a run uses it.
+"""The batch-norm kernels (train/kernels/fused_norm.py) and the graph rewrite that folds ReLUs and residual adds into them.
 
-The kernels run here in Triton's CPU interpreter (TRITON_INTERPRET=1, a child process); torch's
-`batch_norm_stats` and the ops around it exist on CUDA only, so there the reference is float64
-arithmetic, and on a CUDA machine the `_cuda` test trains a small CNN with the kernel inside CUDA
-graphs against torch's batch-norm.
+The kernels run here in Triton's CPU interpreter (TRITON_INTERPRET=1, a child process), checked against
+torch's batch-norm in fp32 on the CPU; on a CUDA machine the `_cuda` test trains small CNNs with the
+kernels inside CUDA graphs against torch's batch-norm.
 """
 
 from __future__ import annotations
@@ -18,66 +17,172 @@ import torch
 from torch import nn
 
 from mpsrun.train.assemble import _fuse_norms
-from mpsrun.train.kernels import fused_norm
+from mpsrun.train.kernels import fused_norm, norm_graph
 from mpsrun.train.loop.steps import Options
 
 CHECK = """
-import json, torch
+import json, torch, torchvision
+from torch import nn
 from mpsrun.train.kernels import fused_norm as fn
-def ref(x, eps):  # torch.batch_norm_stats' answer, in float64
-    v = x.double().permute(0, 2, 3, 1).reshape(-1, x.shape[1])
-    return v.mean(0).float(), (1 / (v.var(0, unbiased=False) + eps).sqrt()).float()
 out = []
 # rows over many programs and a ragged last block, channels over two blocks and ragged, bf16, one row per channel block
 for shape, dtype in [((8, 64, 20, 20), torch.float32), ((3, 100, 7, 5), torch.float32), ((4, 64, 9, 9), torch.bfloat16), ((1, 70, 1, 2), torch.float32)]:
-    fn.check(shape, dtype, torch.device("cpu"), 1e-5, reference=ref)  # an offset of 50 against a spread of 3: Mismatch beyond 1e-4
+    for relu, res in ((False, False), (True, False), (True, True)):
+        fn.check(shape, dtype, torch.device("cpu"), 1e-5, relu, res)  # an offset of 50 against a spread of 3
     out.append(["checked", list(shape)])
-fn.PROGRAMS = 4  # few programs: each reduces many row blocks and combines them as it goes
-fn.check((4, 8, 30, 30), torch.float32, torch.device("cpu"), 1e-5, reference=ref)
+fn.PROGRAMS = 4  # few programs: each reduces many row blocks
+fn.check((4, 8, 30, 30), torch.float32, torch.device("cpu"), 1e-5, True, True)
 out.append(["long"])
+# the whole rewrite on a ResNet: forward, backward and running statistics as torch's modules give them
+fn.fits = lambda x: x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and x.numel() > x.shape[1]
+torch.manual_seed(0)
+model = torchvision.models.resnet18(num_classes=10).to(memory_format=torch.channels_last).train()
+x = torch.randn(4, 3, 32, 32).contiguous(memory_format=torch.channels_last)
+norms = fn.Norms(model)
+grads, stats, outs = [], [], []
+for fused in (True, False):
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.reset_running_stats()
+    model.zero_grad()
+    if fused:
+        with norms.swapped():
+            y = model(x)
+    else:
+        y = model(x)
+    y.square().sum().backward()
+    outs.append(y.detach())
+    grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    stats.append(torch.cat([b.float().flatten() for b in model.buffers()]))
+scale = lambda t: t.abs().max().item()
+out.append(["resnet", (outs[0] - outs[1]).abs().max().item() / scale(outs[1]), (grads[0] - grads[1]).abs().max().item() / scale(grads[1]),
+            (stats[0] - stats[1]).abs().max().item() / scale(stats[1]), norms.describe(), "forward" in model.__dict__])
 print(json.dumps(out))
 """
 
 
-def test_the_statistics_are_float64_s_in_triton_s_interpreter() -> None:
+def test_the_kernels_are_torch_s_batch_norm_in_triton_s_interpreter() -> None:
     pytest.importorskip("triton", reason="Triton is not installed here")
     if torch.cuda.is_available():
         pytest.skip("on a CUDA machine the _cuda test runs the kernels themselves")
-    done = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
+    done = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert [r[0] for r in json.loads(done.stdout.strip().splitlines()[-1])] == ["checked"] * 4 + ["long"]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [r[0] for r in rows] == ["checked"] * 4 + ["long", "resnet"]
+    _, out, grad, stat, described, left = rows[-1]
+    assert out < 1e-4 and grad < 1e-4 and stat < 1e-4, rows[-1]  # fp32: rounding apart
+    assert described == "20 batch-norms, 17 with their ReLU and 8 with the residual add too" and not left
 
 
-def test_check_raises_on_statistics_off_by_more_than_the_tolerance(monkeypatch: pytest.MonkeyPatch) -> None:
-    def ref(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        v = x.double().permute(0, 2, 3, 1).reshape(-1, x.shape[1])
-        return v.mean(0).float(), (1 / (v.var(0, unbiased=False) + eps).sqrt()).float()
+class _Scaled(torch.autograd.Function):
+    """Identity forward; the gradient 1% off (a kernel whose backward is wrong)."""
 
-    monkeypatch.setattr(fused_norm, "stats", lambda x, eps: (lambda m, i: (m, i * (1 + 1e-3)))(*ref(x, eps)))  # invstd 0.1% off
-    with pytest.raises(fused_norm.Mismatch, match="invstd"):
-        fused_norm.check((2, 4, 5, 5), torch.float32, torch.device("cpu"), 1e-5, reference=ref)
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def, override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def, override]
+        return g * 1.01
 
 
-def test_it_is_opt_in_and_says_why_not_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("wrong", ["output", "input gradient"])
+def test_check_raises_on_a_layer_off_by_more_than_the_tolerance(monkeypatch: pytest.MonkeyPatch, wrong: str) -> None:
+    class Wrong:
+        @staticmethod
+        def apply(x, w, b, res, rm, rv, momentum, eps, relu):  # type: ignore[no-untyped-def]
+            x = _Scaled.apply(x) if wrong == "input gradient" else x
+            y = nn.functional.batch_norm(x, rm, rv, w, b, True, momentum, eps) + (res if res is not None else 0)
+            y = torch.relu(y) if relu else y
+            return y * 1.01 if wrong == "output" else y
+
+    monkeypatch.setattr(fused_norm, "_NormAct", Wrong)
+    with pytest.raises(fused_norm.Mismatch, match=f"the {wrong} is off"):
+        fused_norm.check((2, 4, 5, 5), torch.float32, torch.device("cpu"), 1e-5, True, True)
+    monkeypatch.setattr(fused_norm, "TOLERANCE", {torch.float32: 0.05})  # within a looser tolerance the same layer passes
+    fused_norm.check((2, 4, 5, 5), torch.float32, torch.device("cpu"), 1e-5, True, True)
+
+
+class _Block(nn.Module):
+    """Batch-norm outputs used in every way the rewrite must tell apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.a, self.b, self.c, self.d, self.e = (nn.BatchNorm2d(4) for _ in range(5))
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.act(self.a(self.conv(x)))  # -> ReLU: one layer
+        b = self.b(a)
+        c = torch.relu(b) + b.mean()  # two users: left alone
+        d = nn.functional.relu6(self.d(c))  # not a ReLU: alone
+        e = torch.relu(self.e(d) + a)  # -> add -> ReLU: one layer, residual a
+        return self.c(e) + 1.0  # an add of a number: alone
+
+
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(x)) if x.sum() > 0 else self.bn(x)  # data-dependent: does not trace
+
+
+def test_the_rewrite_folds_only_a_relu_or_an_add_and_relu_that_are_the_only_users() -> None:
+    model = _Block().train()
+    gm, layers = norm_graph.rewrite(model, lambda bn, relu, res: fused_norm.NormAct(bn, relu, res, set()))
+    by = {id(layer.bn): (layer.relu, layer.residual) for layer in layers}
+    assert by == {id(model.a): (True, False), id(model.b): (False, False), id(model.d): (False, False),
+                  id(model.e): (True, True), id(model.c): (False, False)}
+    x = torch.randn(2, 4, 6, 6)
+    torch.manual_seed(0)
+    want = model(x)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.reset_running_stats()
+    assert torch.allclose(gm(x), want, atol=1e-6)  # on the CPU each layer is torch's own ops: the same function
+    assert not list(fused_norm.NormAct(model.a, True, False, set()).parameters())  # the model's parameters stay its own
+    norms = fused_norm.Norms(_Branchy())
+    assert norms.graph is None and len(norms.singles) == 1 and "does not trace" in norms.describe()
+
+
+def test_it_is_on_by_default_and_says_why_not_where_it_cannot_be(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda = torch.device("cuda")  # a device object only: nothing runs on it
     cnn = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
-    off = Options(graphs=True, channels_last=True)
-    assert _fuse_norms(cnn, cuda, off) == "" and not off.fused_norm  # not asked: nothing to say
-    monkeypatch.setenv("MPSRUN_FUSED_NORM", "1")
     on = Options(graphs=True, channels_last=True)
     assert _fuse_norms(cnn, cuda, on) == "" and on.fused_norm and on.as_params()["resolved.fused_norm"] == "true"
+    monkeypatch.setenv("MPSRUN_FUSED_NORM", "0")
+    off = Options(graphs=True, channels_last=True)
+    assert "MPSRUN_FUSED_NORM=0" in _fuse_norms(cnn, cuda, off) and not off.fused_norm
+    monkeypatch.delenv("MPSRUN_FUSED_NORM")
     assert "graphs are off" in _fuse_norms(cnn, cuda, Options(graphs=False, channels_last=True))
     assert "channels_last is off" in _fuse_norms(cnn, cuda, Options(graphs=True))
     assert _fuse_norms(cnn, torch.device("cpu"), Options(graphs=True, channels_last=True)) == ""
-    cumulative = nn.Sequential(nn.BatchNorm2d(4, momentum=None))  # its average reads a count on the host
-    assert fused_norm.plan(cumulative) is None
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    assert _fuse_norms(plain, cuda, Options(graphs=True)) == ""  # no batch-norm: nothing to say
+    assert fused_norm.plan(nn.Sequential(nn.BatchNorm2d(4, momentum=None))) is None  # a cumulative average reads a count on the host
+    assert fused_norm.plan(nn.Sequential(nn.BatchNorm2d(4, affine=False))) is None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch's batch-norm ops and the kernels on a GPU)")
-def test_graphs_with_the_statistics_train_as_torch_s_batch_norm_cuda() -> None:
-    """A small CNN, 3 epochs of graph replays (fp32, channels_last, SGD), with the kernel and with torch's batch-norm:
-    parameters and running statistics within fp32 rounding of each other, and the modules plain afterwards. (bf16
-    and Adam, as the zoo trains, amplify rounding: the last bit of a bf16 output, or the sign of a near-zero
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.conv, self.bn, self.relu = nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU()
+        self.head = nn.Sequential(nn.Conv2d(16, 8, 3), nn.BatchNorm2d(8), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.stem(x)
+        return self.head(self.relu(self.bn(self.conv(s)) + s))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the kernels on a GPU)")
+def test_graphs_with_the_kernels_train_as_torch_s_batch_norm_cuda() -> None:
+    """A small residual CNN, 3 epochs of graph replays (fp32, channels_last, SGD), with the kernels and with torch's
+    batch-norm: parameters and running statistics within fp32 rounding of each other, and the model plain afterwards.
+    (bf16 and Adam, as the zoo trains, amplify rounding: the last bit of a bf16 output, or the sign of a near-zero
     gradient under Adam, moves a parameter by a whole step; `check` and the zoo run cover them.)"""
     from mpsrun.train.loop.data import BatchPlan, ResidentBatches
     from mpsrun.train.loop.events import Listener
@@ -91,11 +196,12 @@ def test_graphs_with_the_statistics_train_as_torch_s_batch_norm_cuda() -> None:
     results = []
     for norms in (True, False):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 8, 3), nn.BatchNorm2d(8),
-                              nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)).to(dev).to(memory_format=torch.channels_last)
+        model = _Residual().to(dev).to(memory_format=torch.channels_last)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         trainer = GraphTrainer(model, opt, dev, Options(precision="fp32", channels_last=True, graphs=True, fused_norm=norms))
         assert (trainer.norms is not None) == norms
+        if norms:
+            assert trainer.norms.describe() == "3 batch-norms, 2 with their ReLU and 1 with the residual add too"
         plan = BatchPlan(ResidentBatches(x, y, 16, dev, True, 0), ResidentBatches(x[:32], y[:32], 16, dev, False, 0), True, "test")
         trainer.capture(plan)
         for epoch in range(3):

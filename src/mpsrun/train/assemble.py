@@ -188,19 +188,29 @@ def _fuse_pools(model: nn.Module, device: torch.device, options: Options) -> str
 
 
 def _fuse_norms(model: nn.Module, device: torch.device, options: Options) -> str:
-    """The batch-norm statistics kernel where `MPSRUN_FUSED_NORM=1` asks for it (opt-in); the note says why not."""
-    if device.type != "cuda" or os.environ.get("MPSRUN_FUSED_NORM", "0").strip().lower() not in ("1", "true", "yes", "on"):
+    """Turn on the batch-norm kernels where they apply; the note says why not on a CUDA run whose model has batch-norms."""
+    if device.type != "cuda":
         return ""
     from mpsrun.train.kernels import fused_norm
 
     if not fused_norm.candidates(model):
         return ""
+    why = None
     if not options.graphs:
-        return "norms: torch's batch-norm statistics, not the fused ones (CUDA graphs are off)"
-    if not options.channels_last:
-        return "norms: torch's batch-norm statistics, not the fused ones (channels_last is off)"
-    options.fused_norm = True
-    return ""
+        why = "CUDA graphs are off (the kernels run where steps are replayed)"
+    elif not options.channels_last:
+        why = "channels_last is off (the kernels are for channels_last tensors)"
+    elif os.environ.get("MPSRUN_FUSED_NORM", "1").strip().lower() in ("0", "false", "no", "off"):
+        why = "MPSRUN_FUSED_NORM=0"
+    else:
+        try:
+            import triton  # noqa: F401
+        except Exception as e:  # pragma: no cover - CUDA torch ships triton
+            why = f"triton is not importable ({type(e).__name__})"
+    if why is None:
+        options.fused_norm = True
+        return ""
+    return f"norms: torch's batch-norm kernels, not the fused ones ({why})"
 
 
 def _check_monitor(where: str, name: str, objective: Objective) -> None:

@@ -1,27 +1,32 @@
-"""Batch-norm statistics of a channels_last tensor as one Triton reduction (opt-in: MPSRUN_FUSED_NORM=1).
+"""Training-mode batch-norm of a channels_last tensor as Triton kernels, with the ReLU (and the residual add) after it folded in.
 
-Why: in the H100 profile of ResNet18 (bf16, channels_last, batch 256, docs/benchmarks.md) torch's
-`batch_norm_collect_statistics_channels_last` took 2.31 ms of a 19.4 ms step, reading its inputs
-at about 0.55 TB/s, where the other three batch-norm kernels (normalisation, the backward's
-reduction and element-wise pass) run at 1.8-2.2 TB/s. Here a first kernel reduces blocks of rows
-to (count, mean, M2) per channel, combined as they go (Chan et al.'s update: no catastrophic
-cancellation from sums of squares), and a second combines the blocks; the rest is torch's own
-ops, as SyncBatchNorm calls them (`batch_norm_gather_stats_with_counts` for the running
-statistics, `batch_norm_elemt`, `batch_norm_backward_reduce`, `batch_norm_backward_elemt`).
+Why: in the H100 profile of ResNet18 (bf16, channels_last, batch 256, docs/benchmarks.md) batch-norm
+took 6.8 ms of a 19.4 ms step in four torch kernels (statistics at about 0.55 TB/s; normalisation,
+the backward's reduction and its element-wise pass at 1.8-2.2 TB/s), and the ReLUs, their
+backward and the residual additions around it about 3 ms more: each a pass over tensors that
+batch-norm had just read or written. Here a layer is three kernels each way, each tensor read
+once per pass:
 
-Not exact: the mean and variance are summed in another order than torch's Welford kernel, so they
-agree to fp32 rounding; `Norms` checks them against `torch.batch_norm_stats` at each new shape
-before capture and raises `Mismatch` beyond 1e-4. Off by default: a faster one-GPU step changes the
-data-parallel ratio, which is to be measured on two GPUs before this is the default.
+- forward: statistics (blocks of rows summed around a shift, the block's first row, then combined
+  with Chan's update: no catastrophic cancellation from sums of squares), whose combining kernel
+  also moves the running statistics; then `relu(norm(x) + residual)` in one pass;
+- backward: per-channel sums of the gradient (masked by the ReLU's output) and of its product
+  with `x - mean`, combined with the weight and bias gradients in a small kernel; then the input's
+  gradient, and the residual's, in one pass.
 
-Swapped into training-mode `nn.BatchNorm2d` modules only while GraphTrainer warms up and captures,
-as fused_pool's max-pools; evaluation uses torch's modules. Triton is imported only here, only on CUDA.
+Not exact: sums run in another order than torch's, and `norm(x) + residual` is rounded once where
+torch rounds twice; so results agree to the dtype's rounding. `check` compares forward and backward
+against torch's ops at each new shape before capture and raises `Mismatch` beyond TOLERANCE (the
+run then uses torch's batch-norm and says so). Where the model traces with torch.fx
+(norm_graph.py), batch-norm -> ReLU and batch-norm -> add -> ReLU become one layer; elsewhere each
+`nn.BatchNorm2d` alone. Swapped in only while GraphTrainer warms up and captures: evaluation,
+export and checkpoints see the user's modules. Triton is imported only here, only on CUDA.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import os
 from typing import Any, Optional
 
 import torch
@@ -29,18 +34,32 @@ from torch import nn
 
 from mpsrun.train.kernels import swap
 
-ROWS_PER_TILE = 64  # rows a program loads at once
-CHANNELS = 64  # channels a program reduces (128 bytes of bf16 a row)
-PROGRAMS = 512  # the first kernel's programs to aim for: a few per SM of an H100
-FINAL_CHANNELS = 32  # channels per program of the combining kernel
-FINAL_ROWS = 64  # partial results it loads at once
-TOLERANCE = 1e-4
+# Tiles, from benchmarks/norm_kernels_gpu.py on an H100 (ResNet18's shapes at batch 256, bf16)
+REDUCE_ROWS = 64  # rows a reducing program loads at once
+REDUCE_CHANNELS = 64  # channels a reducing program covers (128 bytes of bf16 a row)
+REDUCE_WARPS = 4
+PROGRAMS = 1024  # reducing programs to aim for: several per SM
+POINT_ELEMENTS = 8192  # elements an element-wise program covers
+POINT_CHANNELS = 128  # at most this many channels a program
+POINT_WARPS = 8
+FINAL_CHANNELS = 32  # channels per program of the combining kernels
+FINAL_ROWS = 64  # partial results they load at once
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}  # of the largest magnitude compared
 
 _kernels: dict[str, Any] = {}
 
 
 class Mismatch(RuntimeError):
-    """The statistics disagreed with torch's on this GPU: the run uses torch's batch-norm (said in its notes)."""
+    """The kernels disagreed with torch's batch-norm on this GPU: the run uses torch's (said in its notes)."""
+
+
+def _tunables() -> None:
+    """MPSRUN_NORM_TILES=REDUCE_ROWS,REDUCE_CHANNELS,REDUCE_WARPS,PROGRAMS,POINT_ELEMENTS,POINT_CHANNELS,POINT_WARPS: for the tile benchmark."""
+    raw = os.environ.get("MPSRUN_NORM_TILES", "").strip()
+    if raw:
+        g = globals()
+        for name, value in zip(("REDUCE_ROWS", "REDUCE_CHANNELS", "REDUCE_WARPS", "PROGRAMS", "POINT_ELEMENTS", "POINT_CHANNELS", "POINT_WARPS"), raw.split(",")):
+            g[name] = int(value)
 
 
 def _build() -> dict[str, Any]:
@@ -49,63 +68,151 @@ def _build() -> dict[str, Any]:
     import triton
     import triton.language as tl
 
+    _tunables()
+
     @triton.jit
-    def norm_partial(x_ptr, cnt_ptr, mean_ptr, m2_ptr, M, C, rows, BM: tl.constexpr, BC: tl.constexpr):
+    def stats_partial(x_ptr, mean_ptr, m2_ptr, M, C, rows, BM: tl.constexpr, BC: tl.constexpr):
         pm = tl.program_id(0)
         cc = tl.program_id(1) * BC + tl.arange(0, BC)
         cmask = cc < C
-        n_a = tl.zeros((BC,), dtype=tl.float32)
-        mean_a = tl.zeros((BC,), dtype=tl.float32)
-        m2_a = tl.zeros((BC,), dtype=tl.float32)
         first = pm * rows
+        k = tl.load(x_ptr + first * C + cc, mask=cmask, other=0.0).to(tl.float32)  # the shift: this block's first row
+        s1 = tl.zeros((BM, BC), dtype=tl.float32)
+        s2 = tl.zeros((BM, BC), dtype=tl.float32)
         for r in range(0, rows, BM):
             rr = first + r + tl.arange(0, BM)
-            rmask = rr < M
-            m = rmask[:, None] & cmask[None, :]
+            m = (rr < M)[:, None] & cmask[None, :]
             x = tl.load(x_ptr + rr[:, None] * C + cc[None, :], mask=m, other=0.0).to(tl.float32)
-            n_b = tl.sum(m.to(tl.float32), axis=0)
-            mean_b = tl.sum(x, axis=0) / tl.maximum(n_b, 1.0)
-            d = tl.where(m, x - mean_b[None, :], 0.0)
-            m2_b = tl.sum(d * d, axis=0)
-            n = n_a + n_b
-            frac = n_b / tl.maximum(n, 1.0)
-            delta = mean_b - mean_a
-            mean_a = mean_a + delta * frac
-            m2_a = m2_a + m2_b + delta * delta * n_a * frac
-            n_a = n
-        out = pm * C + cc
-        tl.store(cnt_ptr + out, n_a, mask=cmask)
-        tl.store(mean_ptr + out, mean_a, mask=cmask)
-        tl.store(m2_ptr + out, m2_a, mask=cmask)
+            d = tl.where(m, x - k[None, :], 0.0)
+            s1 += d
+            s2 += d * d
+        n = tl.minimum(rows, M - first).to(tl.float32)
+        t1 = tl.sum(s1, axis=0)
+        t2 = tl.sum(s2, axis=0)
+        tl.store(mean_ptr + pm * C + cc, k + t1 / n, mask=cmask)
+        tl.store(m2_ptr + pm * C + cc, tl.maximum(t2 - t1 * t1 / n, 0.0), mask=cmask)
 
     @triton.jit
-    def norm_final(cnt_ptr, mean_ptr, m2_ptr, out_mean, out_invstd, G, C, eps, BG: tl.constexpr, BC: tl.constexpr):
+    def stats_final(mean_ptr, m2_ptr, out_mean, out_invstd, run_mean, run_var, G, M, C, rows, eps, momentum,
+                    RUNNING: tl.constexpr, BG: tl.constexpr, BC: tl.constexpr):
         cc = tl.program_id(0) * BC + tl.arange(0, BC)
         cmask = cc < C
-        total = tl.zeros((BC,), dtype=tl.float32)
         wsum = tl.zeros((BC,), dtype=tl.float32)
         for g0 in range(0, G, BG):
             gg = g0 + tl.arange(0, BG)
             m = (gg[:, None] < G) & cmask[None, :]
-            n = tl.load(cnt_ptr + gg[:, None] * C + cc[None, :], mask=m, other=0.0)
+            n = tl.minimum(rows, M - gg * rows).to(tl.float32)
             mu = tl.load(mean_ptr + gg[:, None] * C + cc[None, :], mask=m, other=0.0)
-            total += tl.sum(n, axis=0)
-            wsum += tl.sum(n * mu, axis=0)
-        mean = wsum / tl.maximum(total, 1.0)
+            wsum += tl.sum(tl.where(m, n[:, None] * mu, 0.0), axis=0)
+        total = M.to(tl.float32)
+        mean = wsum / total
         m2 = tl.zeros((BC,), dtype=tl.float32)
         for g0 in range(0, G, BG):
             gg = g0 + tl.arange(0, BG)
             m = (gg[:, None] < G) & cmask[None, :]
-            n = tl.load(cnt_ptr + gg[:, None] * C + cc[None, :], mask=m, other=0.0)
+            n = tl.minimum(rows, M - gg * rows).to(tl.float32)
             mu = tl.load(mean_ptr + gg[:, None] * C + cc[None, :], mask=m, other=0.0)
             part = tl.load(m2_ptr + gg[:, None] * C + cc[None, :], mask=m, other=0.0)
             d = mu - mean[None, :]
-            m2 += tl.sum(part + n * d * d, axis=0)
-        var = m2 / tl.maximum(total, 1.0)
+            m2 += tl.sum(tl.where(m, part + n[:, None] * d * d, 0.0), axis=0)
+        var = m2 / total
         tl.store(out_mean + cc, mean, mask=cmask)
         tl.store(out_invstd + cc, 1.0 / tl.sqrt(var + eps), mask=cmask)
+        if RUNNING:  # as torch: the unbiased variance into the running one
+            rm = tl.load(run_mean + cc, mask=cmask, other=0.0).to(tl.float32)
+            rv = tl.load(run_var + cc, mask=cmask, other=0.0).to(tl.float32)
+            unbiased = var * total / tl.maximum(total - 1.0, 1.0)
+            tl.store(run_mean + cc, (rm * (1.0 - momentum) + mean * momentum).to(run_mean.dtype.element_ty), mask=cmask)
+            tl.store(run_var + cc, (rv * (1.0 - momentum) + unbiased * momentum).to(run_var.dtype.element_ty), mask=cmask)
 
-    _kernels.update(partial=norm_partial, final=norm_final, cdiv=triton.cdiv)
+    @triton.jit
+    def norm_fwd(x_ptr, res_ptr, y_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, M, C,
+                 RES: tl.constexpr, RELU: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
+        rr = tl.program_id(0) * BM + tl.arange(0, BM)
+        cc = tl.program_id(1) * BC + tl.arange(0, BC)
+        cmask = cc < C
+        m = (rr < M)[:, None] & cmask[None, :]
+        offs = rr[:, None] * C + cc[None, :]
+        mean = tl.load(mean_ptr + cc, mask=cmask, other=0.0)
+        invstd = tl.load(invstd_ptr + cc, mask=cmask, other=0.0)
+        w = tl.load(w_ptr + cc, mask=cmask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + cc, mask=cmask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        y = (x - mean[None, :]) * invstd[None, :] * w[None, :] + b[None, :]
+        if RES:
+            y += tl.load(res_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        if RELU:
+            y = tl.where(y < 0.0, 0.0, y)  # a NaN stays NaN, as torch's
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def grad_partial(gy_ptr, y_ptr, x_ptr, mean_ptr, part_ptr, M, C, rows,
+                     RELU: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
+        pm = tl.program_id(0)
+        cc = tl.program_id(1) * BC + tl.arange(0, BC)
+        cmask = cc < C
+        mean = tl.load(mean_ptr + cc, mask=cmask, other=0.0)
+        first = pm * rows
+        a_g = tl.zeros((BM, BC), dtype=tl.float32)
+        a_gx = tl.zeros((BM, BC), dtype=tl.float32)
+        for r in range(0, rows, BM):
+            rr = first + r + tl.arange(0, BM)
+            m = (rr < M)[:, None] & cmask[None, :]
+            offs = rr[:, None] * C + cc[None, :]
+            g = tl.load(gy_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            if RELU:
+                y = tl.load(y_ptr + offs, mask=m, other=0.0).to(tl.float32)
+                g = tl.where(y <= 0.0, 0.0, g)  # torch's threshold_backward
+            x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            a_g += g
+            a_gx += g * (x - mean[None, :])
+        tl.store(part_ptr + pm * 2 * C + cc, tl.sum(a_g, axis=0), mask=cmask)
+        tl.store(part_ptr + pm * 2 * C + C + cc, tl.sum(a_gx, axis=0), mask=cmask)
+
+    @triton.jit
+    def grad_final(part_ptr, invstd_ptr, sums_ptr, gw_ptr, gb_ptr, G, C, BG: tl.constexpr, BC: tl.constexpr):
+        cc = tl.program_id(0) * BC + tl.arange(0, BC)
+        cmask = cc < C
+        s_g = tl.zeros((BC,), dtype=tl.float32)
+        s_gx = tl.zeros((BC,), dtype=tl.float32)
+        for g0 in range(0, G, BG):
+            gg = g0 + tl.arange(0, BG)
+            m = (gg[:, None] < G) & cmask[None, :]
+            s_g += tl.sum(tl.load(part_ptr + gg[:, None] * 2 * C + cc[None, :], mask=m, other=0.0), axis=0)
+            s_gx += tl.sum(tl.load(part_ptr + gg[:, None] * 2 * C + C + cc[None, :], mask=m, other=0.0), axis=0)
+        invstd = tl.load(invstd_ptr + cc, mask=cmask, other=0.0)
+        tl.store(sums_ptr + cc, s_g, mask=cmask)
+        tl.store(sums_ptr + C + cc, s_gx, mask=cmask)
+        tl.store(gw_ptr + cc, (s_gx * invstd).to(gw_ptr.dtype.element_ty), mask=cmask)
+        tl.store(gb_ptr + cc, s_g.to(gb_ptr.dtype.element_ty), mask=cmask)
+
+    @triton.jit
+    def grad_input(gy_ptr, y_ptr, x_ptr, dx_ptr, dres_ptr, mean_ptr, invstd_ptr, w_ptr, sums_ptr, M, C,
+                   RES: tl.constexpr, RELU: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
+        rr = tl.program_id(0) * BM + tl.arange(0, BM)
+        cc = tl.program_id(1) * BC + tl.arange(0, BC)
+        cmask = cc < C
+        m = (rr < M)[:, None] & cmask[None, :]
+        offs = rr[:, None] * C + cc[None, :]
+        mean = tl.load(mean_ptr + cc, mask=cmask, other=0.0)
+        invstd = tl.load(invstd_ptr + cc, mask=cmask, other=0.0)
+        w = tl.load(w_ptr + cc, mask=cmask, other=0.0).to(tl.float32)
+        total = M.to(tl.float32)
+        mean_g = tl.load(sums_ptr + cc, mask=cmask, other=0.0) / total
+        mean_gx = tl.load(sums_ptr + C + cc, mask=cmask, other=0.0) / total
+        g = tl.load(gy_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        if RELU:
+            y = tl.load(y_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            g = tl.where(y <= 0.0, 0.0, g)
+        if RES:
+            tl.store(dres_ptr + offs, g.to(dres_ptr.dtype.element_ty), mask=m)
+        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        k = invstd * invstd * mean_gx
+        dx = (g - mean_g[None, :] - (x - mean[None, :]) * k[None, :]) * (invstd * w)[None, :]
+        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=m)
+
+    _kernels.update(stats_partial=stats_partial, stats_final=stats_final, norm_fwd=norm_fwd, grad_partial=grad_partial,
+                    grad_final=grad_final, grad_input=grad_input, cdiv=triton.cdiv, next_pow2=triton.next_power_of_2)
     return _kernels
 
 
@@ -115,92 +222,199 @@ def fits(x: torch.Tensor) -> bool:
             and x.is_contiguous(memory_format=torch.channels_last) and x.numel() < 2**31 and x.numel() > x.shape[1])
 
 
-def stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel mean and 1/sqrt(biased variance + eps) of a channels_last tensor, in fp32 (torch.batch_norm_stats')."""
+def _reduce_grid(k: dict[str, Any], rows: int, c: int) -> tuple[int, int, int, int]:
+    """(groups, channel blocks, rows per group, channel tile) for the reducing kernels."""
+    bc = min(REDUCE_CHANNELS, k["next_pow2"](c))
+    col_blocks = k["cdiv"](c, bc)
+    per = max(REDUCE_ROWS, k["cdiv"](k["cdiv"](rows * col_blocks, PROGRAMS), REDUCE_ROWS) * REDUCE_ROWS)
+    return k["cdiv"](rows, per), col_blocks, per, bc
+
+
+def _point_grid(k: dict[str, Any], rows: int, c: int) -> tuple[tuple[int, int], int, int]:
+    bc = min(POINT_CHANNELS, k["next_pow2"](c))
+    bm = max(1, POINT_ELEMENTS // bc)
+    return (k["cdiv"](rows, bm), k["cdiv"](c, bc)), bm, bc
+
+
+def stats(x: torch.Tensor, eps: float, running_mean: Optional[torch.Tensor] = None, running_var: Optional[torch.Tensor] = None,
+          momentum: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and 1/sqrt(biased variance + eps) of a channels_last tensor, in fp32 (torch.batch_norm_stats');
+    the running statistics moved as torch's batch-norm moves them, when given."""
     k = _build()
     c = x.shape[1]
     rows = x.numel() // c
-    col_blocks = k["cdiv"](c, CHANNELS)
-    per = max(ROWS_PER_TILE, k["cdiv"](k["cdiv"](rows * col_blocks, PROGRAMS), ROWS_PER_TILE) * ROWS_PER_TILE)
-    groups = k["cdiv"](rows, per)
-    cnt = torch.empty((groups, c), device=x.device, dtype=torch.float32)
-    mean_p, m2_p = torch.empty_like(cnt), torch.empty_like(cnt)
-    k["partial"][(groups, col_blocks)](x, cnt, mean_p, m2_p, rows, c, per, BM=ROWS_PER_TILE, BC=CHANNELS, num_warps=4)
+    groups, col_blocks, per, bc = _reduce_grid(k, rows, c)
+    mean_p = torch.empty((groups, c), device=x.device, dtype=torch.float32)
+    m2_p = torch.empty_like(mean_p)
+    k["stats_partial"][(groups, col_blocks)](x, mean_p, m2_p, rows, c, per, BM=REDUCE_ROWS, BC=bc, num_warps=REDUCE_WARPS)
     mean = torch.empty((c,), device=x.device, dtype=torch.float32)
     invstd = torch.empty_like(mean)
-    k["final"][(k["cdiv"](c, FINAL_CHANNELS),)](cnt, mean_p, m2_p, mean, invstd, groups, c, eps, BG=FINAL_ROWS, BC=FINAL_CHANNELS, num_warps=4)
+    running = running_mean is not None and running_var is not None
+    k["stats_final"][(k["cdiv"](c, FINAL_CHANNELS),)](mean_p, m2_p, mean, invstd, running_mean if running else mean,
+                                                       running_var if running else invstd, groups, rows, c, per, eps, momentum,
+                                                       RUNNING=running, BG=FINAL_ROWS, BC=FINAL_CHANNELS, num_warps=4)
     return mean, invstd
 
 
-class _BatchNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],  # type: ignore[override]
-                running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor], momentum: float, eps: float) -> torch.Tensor:
-        mean, invstd = stats(x, eps)
-        n = x.numel() // x.shape[1]
-        if running_mean is not None:
-            counts = torch.full((1,), n, dtype=mean.dtype, device=x.device)
-            torch.batch_norm_gather_stats_with_counts(x, mean[None], invstd[None], running_mean, running_var, momentum, eps, counts)
-        ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.n = n
-        return torch.batch_norm_elemt(x, weight, bias, mean, invstd, eps)
+class _NormAct(torch.autograd.Function):
+    """relu?(batch_norm(x) + residual?) in training mode; `res` None for no residual."""
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple:  # type: ignore[override]
-        x, weight, mean, invstd = ctx.saved_tensors
-        g = g.contiguous(memory_format=torch.channels_last)
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        sum_dy, sum_dy_xmu, gw, gb = torch.batch_norm_backward_reduce(g, x, mean, invstd, weight, need_x, need_w and weight is not None, need_b and weight is not None)
-        gx = None
-        if need_x:
-            w = weight.to(mean.dtype) if weight is not None and weight.dtype != mean.dtype else weight
-            gx = torch.batch_norm_backward_elemt(g, x, mean, invstd, w, sum_dy, sum_dy_xmu, torch.full((1,), ctx.n, dtype=torch.int32, device=x.device))
-        return gx, gw if need_w else None, gb if need_b else None, None, None, None, None
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, res: Optional[torch.Tensor],  # type: ignore[override]
+                running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor], momentum: float, eps: float, relu: bool) -> torch.Tensor:
+        k = _build()
+        c = x.shape[1]
+        rows = x.numel() // c
+        mean, invstd = stats(x, eps, running_mean, running_var, momentum)
+        y = torch.empty_like(x, memory_format=torch.channels_last)
+        grid, bm, bc = _point_grid(k, rows, c)
+        k["norm_fwd"][grid](x, res if res is not None else x, y, mean, invstd, weight, bias, rows, c,
+                            RES=res is not None, RELU=relu, BM=bm, BC=bc, num_warps=POINT_WARPS)
+        ctx.save_for_backward(x, y if relu else None, weight, mean, invstd)
+        ctx.relu = relu
+        ctx.res_dtype = res.dtype if res is not None else None
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> tuple:  # type: ignore[override]
+        x, y, weight, mean, invstd = ctx.saved_tensors
+        k = _build()
+        gy = gy.contiguous(memory_format=torch.channels_last)
+        c = x.shape[1]
+        rows = x.numel() // c
+        groups, col_blocks, per, bc = _reduce_grid(k, rows, c)
+        part = torch.empty((groups, 2, c), device=x.device, dtype=torch.float32)
+        k["grad_partial"][(groups, col_blocks)](gy, y if y is not None else gy, x, mean, part, rows, c, per,
+                                                 RELU=ctx.relu, BM=REDUCE_ROWS, BC=bc, num_warps=REDUCE_WARPS)
+        sums = torch.empty((2, c), device=x.device, dtype=torch.float32)
+        gw = torch.empty_like(weight)
+        gb = torch.empty_like(weight)
+        k["grad_final"][(k["cdiv"](c, FINAL_CHANNELS),)](part, invstd, sums, gw, gb, groups, c, BG=FINAL_ROWS, BC=FINAL_CHANNELS, num_warps=4)
+        dx = torch.empty_like(x, memory_format=torch.channels_last)
+        res = ctx.res_dtype is not None
+        dres = torch.empty_like(x, dtype=ctx.res_dtype, memory_format=torch.channels_last) if res else None
+        grid, bm, pc = _point_grid(k, rows, c)
+        k["grad_input"][grid](gy, y if y is not None else gy, x, dx, dres if res else dx, mean, invstd, weight, sums, rows, c,
+                              RES=res, RELU=ctx.relu, BM=bm, BC=pc, num_warps=POINT_WARPS)
+        return dx, gw, gb, dres, None, None, None, None, None
+
+
+def eligible(m: nn.Module) -> bool:
+    """Plain affine BatchNorm2d with a fixed momentum (a cumulative average reads a count on the host) and no hooks."""
+    return type(m) is nn.BatchNorm2d and m.affine and m.momentum is not None and not swap.hooked(m)
 
 
 def candidates(model: nn.Module) -> list[nn.BatchNorm2d]:
-    """Plain BatchNorm2d modules with a fixed momentum (a cumulative average reads a count on the host) and no hooks."""
-    return [m for m in model.modules() if type(m) is nn.BatchNorm2d and m.momentum is not None and not swap.hooked(m)]
+    return [m for m in model.modules() if eligible(m)]
+
+
+def reference(bn: nn.BatchNorm2d, x: torch.Tensor, res: Optional[torch.Tensor], relu: bool) -> torch.Tensor:
+    """What the layer computes with torch's own modules and ops (evaluation, and any input the kernels do not fit)."""
+    y = type(bn).forward(bn, x)
+    if res is not None:
+        y = y + res
+    return torch.relu(y) if relu else y
+
+
+class NormAct(nn.Module):
+    """One batch-norm, and the ReLU and residual add after it where the model's graph has them, as the kernels."""
+
+    def __init__(self, bn: nn.BatchNorm2d, relu: bool, residual: bool, checked: set) -> None:
+        super().__init__()
+        self.__dict__["bn"] = bn  # not a child: its parameters stay the model's alone
+        self.relu = relu
+        self.residual = residual
+        self.checked = checked
+
+    def forward(self, x: torch.Tensor, res: Optional[torch.Tensor] = None) -> torch.Tensor:
+        bn = self.bn
+        if not (bn.training and fits(x) and (res is None or (res.shape == x.shape and res.dtype == x.dtype
+                                                            and res.is_contiguous(memory_format=torch.channels_last)))):
+            return reference(bn, x, res, self.relu)
+        key = (tuple(x.shape), x.dtype, self.relu, res is not None)
+        if key not in self.checked and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            check(tuple(x.shape), x.dtype, x.device, bn.eps, self.relu, res is not None)
+            self.checked.add(key)
+        if bn.track_running_stats and bn.num_batches_tracked is not None:
+            bn.num_batches_tracked.add_(1)
+        rm, rv = (bn.running_mean, bn.running_var) if bn.track_running_stats else (None, None)
+        return _NormAct.apply(x, bn.weight, bn.bias, res, rm, rv, float(bn.momentum), bn.eps, self.relu)
 
 
 class Norms:
-    """The model's batch-norms with these statistics, swapped in only while steps are warmed up and captured."""
+    """The model's batch-norms as the kernels, swapped in only while steps are warmed up and captured.
+
+    With the model traced by torch.fx, the model's forward is the rewritten graph's inside the block
+    (batch-norm -> [add ->] ReLU as one layer); otherwise each batch-norm's forward is a NormAct's.
+    """
 
     def __init__(self, model: nn.Module) -> None:
-        self.modules = candidates(model)
+        from mpsrun.train.kernels import norm_graph
+
         self.checked: set[tuple] = set()
+        self.model = model
+        self.graph, self.layers = norm_graph.rewrite(model, lambda bn, relu, residual: NormAct(bn, relu, residual, self.checked))
+        self.modules = [layer.bn for layer in self.layers] if self.graph is not None else candidates(model)
+        self.singles = [] if self.graph is not None else [(m, NormAct(m, False, False, self.checked)) for m in self.modules]
+
+    def describe(self) -> str:
+        """How many layers, and how many with the ReLU or the residual folded in (for the run's notes)."""
+        if self.graph is None:
+            return f"{len(self.modules)} batch-norms (the model does not trace with torch.fx: no ReLU folded in)"
+        relu = sum(1 for layer in self.layers if layer.relu)
+        res = sum(1 for layer in self.layers if layer.residual)
+        return f"{len(self.layers)} batch-norms, {relu} with their ReLU and {res} with the residual add too"
 
     def swapped(self) -> contextlib.AbstractContextManager:
-        """Each batch-norm's forward is `_call` inside the block (torch's own in evaluation mode)."""
-        return swap.swapped([(m, functools.partial(self._call, m=m)) for m in self.modules])
-
-    def _call(self, x: torch.Tensor, m: nn.BatchNorm2d) -> torch.Tensor:
-        if not (m.training and fits(x)):
-            return type(m).forward(m, x)
-        key = (tuple(x.shape), x.dtype)
-        if key not in self.checked and not torch.cuda.is_current_stream_capturing():
-            check(tuple(x.shape), x.dtype, x.device, m.eps)
-            self.checked.add(key)
-        if m.track_running_stats and m.num_batches_tracked is not None:
-            m.num_batches_tracked.add_(1)
-        rm, rv = (m.running_mean, m.running_var) if m.track_running_stats else (None, None)
-        return _BatchNorm.apply(x, m.weight, m.bias, rm, rv, float(m.momentum), m.eps)
+        if self.graph is not None:
+            return swap.swapped([(self.model, self.graph.forward)])
+        return swap.swapped([(m, layer.forward) for m, layer in self.singles])
 
 
-def check(shape: tuple, dtype: torch.dtype, device: torch.device, eps: float, reference: Any = None) -> None:
-    """These statistics against torch's (`torch.batch_norm_stats`, or `reference`) on an input with a large common
-    offset (where sums of squares lose everything); raises Mismatch beyond TOLERANCE of the spread."""
+def check(shape: tuple, dtype: torch.dtype, device: torch.device, eps: float, relu: bool, residual: bool) -> None:
+    """The kernels against torch's batch-norm (and add, ReLU), forward and backward, on an input with a large common
+    offset (where sums of squares lose everything); raises Mismatch beyond TOLERANCE of the largest magnitude.
+
+    Why: MPS has shown silent wrong answers, and a kernel written here could too on a GPU it was not
+    measured on. Once per shape, before capture, with a private generator (the run's random streams are untouched).
+    """
     gen = torch.Generator(device=device).manual_seed(0)
-    x = (torch.randn(shape, device=device, generator=gen) * 3 + 50).to(dtype).contiguous(memory_format=torch.channels_last)
-    mean, invstd = stats(x, eps)
-    ref_mean, ref_invstd = (reference or torch.batch_norm_stats)(x, eps)
-    spread = 1.0 / ref_invstd
-    err_mean = ((mean - ref_mean).abs() / spread).max().item()
-    err_inv = ((invstd - ref_invstd).abs() / ref_invstd).max().item()
-    if not (err_mean <= TOLERANCE and err_inv <= TOLERANCE):
-        raise Mismatch(f"batch-norm statistics {tuple(shape)} {dtype}: mean off by {err_mean:.1e} of the spread, invstd by {err_inv:.1e}")
+    c = shape[1]
+
+    def rand(*s: int, scale: float = 1.0, offset: float = 0.0) -> torch.Tensor:
+        return torch.randn(s, device=device, generator=gen) * scale + offset
+
+    x = (rand(*shape, scale=3.0, offset=50.0)).to(dtype).contiguous(memory_format=torch.channels_last)
+    res = rand(*shape).to(dtype).contiguous(memory_format=torch.channels_last) if residual else None
+    gy = rand(*shape).to(dtype).contiguous(memory_format=torch.channels_last)
+    w, b = rand(c, scale=0.5, offset=1.0), rand(c, scale=0.5)
+    rm, rv = rand(c), rand(c).abs() + 0.5
+    outs = []
+    for mine in (True, False):
+        xs = x.clone().requires_grad_()
+        rs = res.clone().requires_grad_() if res is not None else None
+        ws, bs = w.clone().requires_grad_(), b.clone().requires_grad_()
+        run_m, run_v = rm.clone(), rv.clone()
+        with torch.enable_grad():
+            if mine:
+                out = _NormAct.apply(xs, ws, bs, rs, run_m, run_v, 0.1, eps, relu)
+            else:  # torch's, in fp32 from the same inputs: what the rounding of `dtype` is measured against
+                out = nn.functional.batch_norm(xs.float(), run_m, run_v, ws, bs, True, 0.1, eps)
+                out = out + rs.float() if rs is not None else out
+                out = torch.relu(out) if relu else out
+            grads = torch.autograd.grad(out, [t for t in (xs, ws, bs, rs) if t is not None], gy.to(out.dtype))
+        outs.append([out, *grads, run_m, run_v])
+    names = ["output", "input gradient", "weight gradient", "bias gradient"] + (["residual gradient"] if residual else []) + ["running mean", "running var"]
+    for name, a, r in zip(names, *outs):
+        scale = r.float().abs().max().item() or 1.0
+        err = (a.float() - r.float()).abs().max().item() / scale
+        tol = TOLERANCE[dtype] if name in ("output", "input gradient", "residual gradient") else TOLERANCE[torch.float32] * 10
+        if not err <= tol:
+            raise Mismatch(f"batch-norm {tuple(shape)} {dtype}{' + ReLU' if relu else ''}{' + residual' if residual else ''}: "
+                           f"the {name} is off by {err:.1e} of its largest magnitude (tolerance {tol:.0e})")
 
 
 def plan(model: nn.Module) -> Optional[Norms]:
+    """The model's batch-norms for the kernels, or None when it has none they fit."""
     norms = Norms(model)
     return norms if norms.modules else None

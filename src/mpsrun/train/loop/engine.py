@@ -118,7 +118,7 @@ def train(
 # (option, the trainer's attribute that holds them, the note's words)
 _KERNELS = (
     ("fused_pool", "pools", "pools: torch's max-pool kernels, not the fused ones"),
-    ("fused_norm", "norms", "norms: torch's batch-norm statistics, not the fused ones"),
+    ("fused_norm", "norms", "norms: torch's batch-norm kernels, not the fused ones"),
     ("fused_linear", "fused", "layers: torch's Linear kernels, not the fused ones"),
 )
 
