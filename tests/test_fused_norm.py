@@ -211,3 +211,32 @@ def test_graphs_with_the_kernels_train_as_torch_s_batch_norm_cuda() -> None:
         results.append([t.detach().float().clone() for t in (*model.parameters(), *model.buffers())])
     for a, b in zip(*results):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), (a - b).abs().max()
+
+
+def test_a_batch_norm_mismatch_gives_up_the_batch_norm_kernels_first_capture_simulated() -> None:
+    """engine._capture_or_eager gives up the kernels whose own check failed, not the first in its table."""
+    from mpsrun.train.loop import engine
+    from mpsrun.train.loop.events import Listener
+
+    class Notes(Listener):
+        def __init__(self) -> None:
+            self.notes: list[str] = []
+
+        def on_note(self, message: str) -> None:
+            self.notes.append(message)
+
+    class Stand:  # what _capture_or_eager reads of a GraphTrainer
+        def __init__(self) -> None:
+            self.options = Options(graphs=True, channels_last=True, fused_pool=True, fused_norm=True)
+            self.graphs, self.pool, self.pools, self.norms, self.calls = {"k": 1}, object(), object(), object(), 0
+
+        def capture(self, plan: object) -> None:
+            self.calls += 1
+            if self.calls == 1:
+                raise fused_norm.Mismatch("batch-norm (2, 4, 5, 5) torch.bfloat16: the input gradient is off")
+
+    stand, listener = Stand(), Notes()
+    assert engine._capture_or_eager(stand, None, listener) is stand  # type: ignore[arg-type]
+    assert stand.calls == 2 and not stand.options.fused_norm and stand.norms is None
+    assert stand.options.fused_pool and stand.pools is not None  # the max-pool kernels stay
+    assert listener.notes[0].startswith("norms: torch's batch-norm kernels, not the fused ones (Mismatch before or during capture: batch-norm")

@@ -115,11 +115,11 @@ def train(
 
 
 # The kernels GraphTrainer captures instead of torch's (train/kernels/), in the order a failed capture gives them up:
-# (option, the trainer's attribute that holds them, the note's words)
+# (option, the trainer's attribute that holds them, the note's words, the module whose Mismatch names it)
 _KERNELS = (
-    ("fused_pool", "pools", "pools: torch's max-pool kernels, not the fused ones"),
-    ("fused_norm", "norms", "norms: torch's batch-norm kernels, not the fused ones"),
-    ("fused_linear", "fused", "layers: torch's Linear kernels, not the fused ones"),
+    ("fused_pool", "pools", "pools: torch's max-pool kernels, not the fused ones", "fused_pool"),
+    ("fused_norm", "norms", "norms: torch's batch-norm kernels, not the fused ones", "fused_norm"),
+    ("fused_linear", "fused", "layers: torch's Linear kernels, not the fused ones", "fused_linear"),
 )
 
 
@@ -129,7 +129,8 @@ def _capture_or_eager(trainer: "GraphTrainer", plan: BatchPlan, listener: Listen
         trainer.capture(plan)
         return trainer
     except Exception as e:
-        for flag, holder, what in _KERNELS:  # the kernels first, one at a time: graphs without them still pay
+        blamed = type(e).__module__.rsplit(".", 1)[-1]  # a kernel's own Mismatch gives up that kernel, not the first in the table
+        for flag, holder, what, module in sorted(_KERNELS, key=lambda k: k[3] != blamed):  # the kernels first, one at a time
             if getattr(trainer.options, flag):
                 why = str(e).splitlines()[0][:300] if str(e) else ""
                 note = f"{what} ({type(e).__name__} before or during capture: {why})"
