@@ -9,6 +9,7 @@
 #   source benchmarks/gpu_setup.sh && OUT=$OUT bash benchmarks/zoo_compile_gpu.sh
 #   QUICK=1 DEVICE=cpu OUT=/tmp/zc bash benchmarks/zoo_compile_gpu.sh      # the logic, tiny, on a CPU
 #
+# ARCH (default resnet18): another torchvision model of the zoo recipe, e.g. mobilenet_v2, resnet50.
 # VARIANTS (default "graphs compile"): also `torchpool`, today's engine with torch's max-pool kernels
 # (MPSRUN_FUSED_POOL=0) instead of fused_pool's, `nonorm`, the engine with torch's batch-norm, ReLU and add
 # kernels (MPSRUN_FUSED_NORM=0) instead of fused_norm's, and `profiled`, the engine with its last epoch under
@@ -26,7 +27,7 @@ else
 fi
 LOG=$OUT/zoo_compile.log; : > "$LOG"
 python3 -m mpsrun.testing.idx "$WORK/data" --name MNIST --n-train "$N_TRAIN" --n-test 200 > /dev/null || { echo "data generation failed"; exit 1; }
-COMMON=(device=$DEVICE model.arch=resnet18 dataset.root="$WORK/data" dataset.subset=$N_TRAIN dataset.val_subset=64
+COMMON=(device=$DEVICE model.arch=${ARCH:-resnet18} dataset.root="$WORK/data" dataset.subset=$N_TRAIN dataset.val_subset=64
         dataset.test_subset=64 epochs=$EPOCHS batch_size=$BATCH tracking.experiment=zoo_compile tracking.log_model=false
         tracking.system_metrics=false checkpoint.every=0 "${EXTRA[@]}")
 for r in $(seq "$ROUNDS"); do
