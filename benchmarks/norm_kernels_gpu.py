@@ -22,10 +22,9 @@ LAYERS = ([(64, 112, True, False)] + [(64, 56, True, False), (64, 56, True, True
                                                                        (c, s, True, False), (c, s, True, True)]])
 
 
-def build(batch: int, mine: bool, dev: torch.device) -> tuple:
-    from mpsrun.train.kernels import fused_norm as fn
-
-    xs, outs, params, grads = [], [], [], []
+def build(batch: int, dev: torch.device) -> list:
+    """Each layer's input, residual, module, ReLU flag and output gradient."""
+    xs = []
     for c, s, relu, res in LAYERS:
         x = torch.randn(batch, c, s, s, device=dev, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last).requires_grad_()
         r = torch.randn_like(x).requires_grad_() if res else None
@@ -51,7 +50,7 @@ def step(layers: list, mine: bool) -> None:
 
 
 def timed(batch: int, mine: bool, dev: torch.device, reps: int = 20) -> float:
-    layers = build(batch, mine, dev)
+    layers = build(batch, dev)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
