@@ -132,7 +132,7 @@ class _Branchy(nn.Module):
 
 def test_the_rewrite_folds_only_a_relu_or_an_add_and_relu_that_are_the_only_users() -> None:
     model = _Block().train()
-    gm, layers = norm_graph.rewrite(model, lambda bn, relu, res: fused_norm.NormAct(bn, relu, res, set()))
+    gm, layers = norm_graph.rewrite(model, lambda bn, relu, res: fused_norm.NormAct(bn, relu, res, set()), fused_norm.eligible)
     by = {id(layer.bn): (layer.relu, layer.residual) for layer in layers}
     assert by == {id(model.a): (True, False), id(model.b): (False, False), id(model.d): (False, False),
                   id(model.e): (True, True), id(model.c): (False, False)}

@@ -54,12 +54,11 @@ def _residual(node: Any, arg: Any) -> Optional[Any]:
     return other if isinstance(other, fx.Node) and other is not arg else None
 
 
-def rewrite(model: nn.Module, make: Callable[[nn.BatchNorm2d, bool, bool], nn.Module]) -> tuple[Optional[Any], list]:
-    """(the model's forward as a GraphModule with each eligible batch-norm [+ add] [+ ReLU] a `make(bn, relu, residual)`
+def rewrite(model: nn.Module, make: Callable[[nn.BatchNorm2d, bool, bool], nn.Module],
+            eligible: Callable[[Any], bool]) -> tuple[Optional[Any], list]:
+    """(the model's forward as a GraphModule with each `eligible` batch-norm [+ add] [+ ReLU] a `make(bn, relu, residual)`
     module, those modules); (None, []) when the model does not trace or has no eligible batch-norm."""
     from torch import fx
-
-    from mpsrun.train.kernels.fused_norm import eligible
 
     if not any(eligible(m) for m in model.modules()):
         return None, []
