@@ -26,7 +26,8 @@ from torch import nn
 from mpsrun.train.kernels import fused_norm as fn
 out = []
 # rows over many programs and a ragged last block, channels over two blocks and ragged, bf16, one row per channel block
-for shape, dtype in [((8, 64, 20, 20), torch.float32), ((3, 100, 7, 5), torch.float32), ((4, 64, 9, 9), torch.bfloat16), ((1, 70, 1, 2), torch.float32)]:
+for shape, dtype in [((8, 64, 20, 20), torch.float32), ((3, 100, 7, 5), torch.float32), ((4, 64, 9, 9), torch.bfloat16), ((1, 70, 1, 2), torch.float32),
+                     ((5, 1, 6, 6), torch.float32), ((2, 3, 4, 4), torch.bfloat16)]:
     for relu, res in ((False, False), (True, False), (True, True)):
         fn.check(shape, dtype, torch.device("cpu"), 1e-5, relu, res)  # an offset of 50 against a spread of 3
     out.append(["checked", list(shape)])
@@ -68,7 +69,7 @@ def test_the_kernels_are_torch_s_batch_norm_in_triton_s_interpreter() -> None:
     done = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])
-    assert [r[0] for r in rows] == ["checked"] * 4 + ["long", "resnet"]
+    assert [r[0] for r in rows] == ["checked"] * 6 + ["long", "resnet"]
     _, out, grad, stat, described, left = rows[-1]
     assert out < 1e-4 and grad < 1e-4 and stat < 1e-4, rows[-1]  # fp32: rounding apart
     assert described == "20 batch-norms, 17 with their ReLU and 8 with the residual add too" and not left

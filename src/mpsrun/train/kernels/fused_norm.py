@@ -224,14 +224,14 @@ def fits(x: torch.Tensor) -> bool:
 
 def _reduce_grid(k: dict[str, Any], rows: int, c: int) -> tuple[int, int, int, int]:
     """(groups, channel blocks, rows per group, channel tile) for the reducing kernels."""
-    bc = min(REDUCE_CHANNELS, k["next_pow2"](c))
+    bc = min(REDUCE_CHANNELS, max(16, k["next_pow2"](c)))  # at least 16 lanes: a layer of 1 or 2 channels is masked, not a tile of its own
     col_blocks = k["cdiv"](c, bc)
     per = max(REDUCE_ROWS, k["cdiv"](k["cdiv"](rows * col_blocks, PROGRAMS), REDUCE_ROWS) * REDUCE_ROWS)
     return k["cdiv"](rows, per), col_blocks, per, bc
 
 
 def _point_grid(k: dict[str, Any], rows: int, c: int) -> tuple[tuple[int, int], int, int]:
-    bc = min(POINT_CHANNELS, k["next_pow2"](c))
+    bc = min(POINT_CHANNELS, max(16, k["next_pow2"](c)))
     bm = max(1, POINT_ELEMENTS // bc)
     return (k["cdiv"](rows, bm), k["cdiv"](c, bc)), bm, bc
 
