@@ -250,3 +250,12 @@ def test_the_check_runs_on_a_few_images_of_the_batch_s_shape() -> None:
     assert fused_norm.check_shape((256, 64, 112, 112)) == (6, 64, 112, 112)  # channels and image size kept: the same kernels
     assert fused_norm.check_shape((8, 64, 20, 20)) == (8, 64, 20, 20)  # small batches as they are
     assert fused_norm.check_shape((256, 2048, 64, 64)) == (1, 2048, 64, 64)
+
+
+def test_a_graph_that_cannot_be_rewritten_leaves_the_batch_norms_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("lint failed")
+
+    monkeypatch.setattr(norm_graph, "rewrite", broken)
+    norms = fused_norm.Norms(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()))
+    assert norms.graph is None and len(norms.singles) == 1

@@ -353,7 +353,10 @@ class Norms:
 
         self.checked: set[tuple] = set()
         self.model = model
-        self.graph, self.layers = norm_graph.rewrite(model, lambda bn, relu, residual: NormAct(bn, relu, residual, self.checked), eligible)
+        try:
+            self.graph, self.layers = norm_graph.rewrite(model, lambda bn, relu, residual: NormAct(bn, relu, residual, self.checked), eligible)
+        except Exception:  # a graph fx traced but could not rewrite: the batch-norms alone, never a failed run
+            self.graph, self.layers = None, []
         self.modules = [layer.bn for layer in self.layers] if self.graph is not None else candidates(model)
         self.singles = [] if self.graph is not None else [(m, NormAct(m, False, False, self.checked)) for m in self.modules]
 
