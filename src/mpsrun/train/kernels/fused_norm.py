@@ -1,4 +1,4 @@
-"""Training-mode batch-norm of a channels_last tensor as Triton kernels, with the ReLU (and the residual add) after it folded in.
+"""Training-mode batch-norm of a channels_last tensor as Triton kernels, with the activation (and the residual add) after it folded in.
 
 Why: in the H100 profile of ResNet18 (bf16, channels_last, batch 256, docs/benchmarks.md) batch-norm
 took 6.8 ms of a 19.4 ms step in four torch kernels (statistics at about 0.55 TB/s; normalisation,
@@ -9,8 +9,9 @@ once per pass:
 
 - forward: statistics (blocks of rows summed around a shift, the block's first row, then combined
   with Chan's update: no catastrophic cancellation from sums of squares), whose combining kernel
-  also moves the running statistics; then `relu(norm(x) + residual)` in one pass;
-- backward: per-channel sums of the gradient (masked by the ReLU's output) and of its product
+  also moves the running statistics; then `act(norm(x) + residual)` in one pass (ReLU, ReLU6 or SiLU);
+- backward: per-channel sums of the gradient (through the activation: ReLU and ReLU6 from their
+  output, SiLU from its input computed again from x) and of its product
   with `x - mean`, combined with the weight and bias gradients in a small kernel; then the input's
   gradient, and the residual's, in one pass.
 
@@ -18,7 +19,7 @@ Not exact: sums run in another order than torch's, and `norm(x) + residual` is r
 torch rounds twice; so results agree to the dtype's rounding. `check` compares forward and backward
 against torch's ops at each new shape before capture and raises `Mismatch` beyond TOLERANCE (the
 run then uses torch's batch-norm and says so). Where the model traces with torch.fx
-(norm_graph.py), batch-norm -> ReLU and batch-norm -> add -> ReLU become one layer; elsewhere each
+(norm_graph.py), batch-norm -> ReLU/ReLU6/SiLU and batch-norm -> add -> ReLU become one layer; elsewhere each
 `nn.BatchNorm2d` alone. Swapped in only while GraphTrainer warms up and captures: evaluation,
 export and checkpoints see the user's modules. Triton is imported only here, only on CUDA.
 """
@@ -46,6 +47,9 @@ FINAL_CHANNELS = 32  # channels per program of the combining kernels
 FINAL_ROWS = 64  # partial results they load at once
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}  # of the largest magnitude compared
 
+NONE, RELU, RELU6, SILU = 0, 1, 2, 3  # the activation after a batch-norm (and its residual add), folded into the kernels
+ACTS = {NONE: "none", RELU: "ReLU", RELU6: "ReLU6", SILU: "SiLU"}
+
 _kernels: dict[str, Any] = {}
 
 
@@ -69,6 +73,24 @@ def _build() -> dict[str, Any]:
     import triton.language as tl
 
     _tunables()
+
+    @triton.jit
+    def _act_grad(g, y_ptr, offs, m, x, mean, scale, shift, ACT: tl.constexpr):
+        """The gradient through the activation: ReLU and ReLU6 from the output, as torch's backward reads it; SiLU from
+        its input, computed again from x (the output does not give it back)."""
+        if ACT == 1:
+            y = tl.load(y_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            g = tl.where(y <= 0.0, 0.0, g)  # torch's threshold_backward
+        if ACT == 2:
+            y = tl.load(y_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            g = tl.where((y <= 0.0) | (y >= 6.0), 0.0, g)  # torch's hardtanh_backward
+        if ACT == 3:
+            z = (x - mean[None, :]) * scale[None, :] + shift[None, :]
+            sig = tl.sigmoid(z)
+            g = g * sig * (1.0 + z * (1.0 - sig))
+        return g
+
+    globals()["_act_grad"] = _act_grad  # Triton finds a jit function a kernel calls among the module's globals, not in a closure
 
     @triton.jit(do_not_specialize=["M", "rows"])  # one compile for every batch and image size
     def stats_partial(x_ptr, mean_ptr, m2_ptr, M, C, rows, BM: tl.constexpr, BC: tl.constexpr):
@@ -127,7 +149,7 @@ def _build() -> dict[str, Any]:
 
     @triton.jit(do_not_specialize=["M"])
     def norm_fwd(x_ptr, res_ptr, y_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, M, C,
-                 RES: tl.constexpr, RELU: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
+                 RES: tl.constexpr, ACT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
         rr = tl.program_id(0) * BM + tl.arange(0, BM)
         cc = tl.program_id(1) * BC + tl.arange(0, BC)
         cmask = cc < C
@@ -141,17 +163,23 @@ def _build() -> dict[str, Any]:
         y = (x - mean[None, :]) * invstd[None, :] * w[None, :] + b[None, :]
         if RES:
             y += tl.load(res_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        if RELU:
-            y = tl.where(y < 0.0, 0.0, y)  # a NaN stays NaN, as torch's
+        if ACT == 1:  # ReLU; a NaN stays NaN, as torch's
+            y = tl.where(y < 0.0, 0.0, y)
+        if ACT == 2:  # ReLU6
+            y = tl.where(y < 0.0, 0.0, tl.where(y > 6.0, 6.0, y))
+        if ACT == 3:  # SiLU
+            y = y * tl.sigmoid(y)
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit(do_not_specialize=["M", "rows"])
-    def grad_partial(gy_ptr, y_ptr, x_ptr, mean_ptr, part_ptr, M, C, rows,
-                     RELU: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
+    def grad_partial(gy_ptr, y_ptr, x_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, part_ptr, M, C, rows,
+                     ACT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
         pm = tl.program_id(0)
         cc = tl.program_id(1) * BC + tl.arange(0, BC)
         cmask = cc < C
         mean = tl.load(mean_ptr + cc, mask=cmask, other=0.0)
+        scale = tl.load(invstd_ptr + cc, mask=cmask, other=0.0) * tl.load(w_ptr + cc, mask=cmask, other=0.0).to(tl.float32)
+        shift = tl.load(b_ptr + cc, mask=cmask, other=0.0).to(tl.float32)
         first = pm * rows
         a_g = tl.zeros((BM, BC), dtype=tl.float32)
         a_gx = tl.zeros((BM, BC), dtype=tl.float32)
@@ -160,10 +188,8 @@ def _build() -> dict[str, Any]:
             m = (rr < M)[:, None] & cmask[None, :]
             offs = rr[:, None] * C + cc[None, :]
             g = tl.load(gy_ptr + offs, mask=m, other=0.0).to(tl.float32)
-            if RELU:
-                y = tl.load(y_ptr + offs, mask=m, other=0.0).to(tl.float32)
-                g = tl.where(y <= 0.0, 0.0, g)  # torch's threshold_backward
             x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            g = _act_grad(g, y_ptr, offs, m, x, mean, scale, shift, ACT)
             a_g += g
             a_gx += g * (x - mean[None, :])
         tl.store(part_ptr + pm * 2 * C + cc, tl.sum(a_g, axis=0), mask=cmask)
@@ -187,8 +213,8 @@ def _build() -> dict[str, Any]:
         tl.store(gb_ptr + cc, s_g.to(gb_ptr.dtype.element_ty), mask=cmask)
 
     @triton.jit(do_not_specialize=["M"])
-    def grad_input(gy_ptr, y_ptr, x_ptr, dx_ptr, dres_ptr, mean_ptr, invstd_ptr, w_ptr, sums_ptr, M, C,
-                   RES: tl.constexpr, RELU: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
+    def grad_input(gy_ptr, y_ptr, x_ptr, dx_ptr, dres_ptr, mean_ptr, invstd_ptr, w_ptr, b_ptr, sums_ptr, M, C,
+                   RES: tl.constexpr, ACT: tl.constexpr, BM: tl.constexpr, BC: tl.constexpr):
         rr = tl.program_id(0) * BM + tl.arange(0, BM)
         cc = tl.program_id(1) * BC + tl.arange(0, BC)
         cmask = cc < C
@@ -201,12 +227,10 @@ def _build() -> dict[str, Any]:
         mean_g = tl.load(sums_ptr + cc, mask=cmask, other=0.0) / total
         mean_gx = tl.load(sums_ptr + C + cc, mask=cmask, other=0.0) / total
         g = tl.load(gy_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        if RELU:
-            y = tl.load(y_ptr + offs, mask=m, other=0.0).to(tl.float32)
-            g = tl.where(y <= 0.0, 0.0, g)
+        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        g = _act_grad(g, y_ptr, offs, m, x, mean, invstd * w, tl.load(b_ptr + cc, mask=cmask, other=0.0).to(tl.float32), ACT)
         if RES:
             tl.store(dres_ptr + offs, g.to(dres_ptr.dtype.element_ty), mask=m)
-        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
         k = invstd * invstd * mean_gx
         dx = (g - mean_g[None, :] - (x - mean[None, :]) * k[None, :]) * (invstd * w)[None, :]
         tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=m)
@@ -257,11 +281,11 @@ def stats(x: torch.Tensor, eps: float, running_mean: Optional[torch.Tensor] = No
 
 
 class _NormAct(torch.autograd.Function):
-    """relu?(batch_norm(x) + residual?) in training mode; `res` None for no residual."""
+    """act(batch_norm(x) + residual?) in training mode; `res` None for no residual; `act` one of ACTS' keys."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, res: Optional[torch.Tensor],  # type: ignore[override]
-                running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor], momentum: float, eps: float, relu: bool) -> torch.Tensor:
+                running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor], momentum: float, eps: float, act: int) -> torch.Tensor:
         k = _build()
         c = x.shape[1]
         rows = x.numel() // c
@@ -269,23 +293,23 @@ class _NormAct(torch.autograd.Function):
         y = torch.empty_like(x, memory_format=torch.channels_last)
         grid, bm, bc = _point_grid(k, rows, c)
         k["norm_fwd"][grid](x, res if res is not None else x, y, mean, invstd, weight, bias, rows, c,
-                            RES=res is not None, RELU=relu, BM=bm, BC=bc, num_warps=POINT_WARPS)
-        ctx.save_for_backward(x, y if relu else None, weight, mean, invstd)
-        ctx.relu = relu
+                            RES=res is not None, ACT=int(act), BM=bm, BC=bc, num_warps=POINT_WARPS)
+        ctx.save_for_backward(x, y if act in (RELU, RELU6) else None, weight, bias, mean, invstd)
+        ctx.act = int(act)
         ctx.res_dtype = res.dtype if res is not None else None
         return y
 
     @staticmethod
     def backward(ctx: Any, gy: torch.Tensor) -> tuple:  # type: ignore[override]
-        x, y, weight, mean, invstd = ctx.saved_tensors
+        x, y, weight, bias, mean, invstd = ctx.saved_tensors
         k = _build()
         gy = gy.contiguous(memory_format=torch.channels_last)
         c = x.shape[1]
         rows = x.numel() // c
         groups, col_blocks, per, bc = _reduce_grid(k, rows, c)
         part = torch.empty((groups, 2, c), device=x.device, dtype=torch.float32)
-        k["grad_partial"][(groups, col_blocks)](gy, y if y is not None else gy, x, mean, part, rows, c, per,
-                                                 RELU=ctx.relu, BM=REDUCE_ROWS, BC=bc, num_warps=REDUCE_WARPS)
+        k["grad_partial"][(groups, col_blocks)](gy, y if y is not None else gy, x, mean, invstd, weight, bias, part, rows, c, per,
+                                                 ACT=ctx.act, BM=REDUCE_ROWS, BC=bc, num_warps=REDUCE_WARPS)
         sums = torch.empty((2, c), device=x.device, dtype=torch.float32)
         gw = torch.empty_like(weight)
         gb = torch.empty_like(weight)
@@ -294,8 +318,8 @@ class _NormAct(torch.autograd.Function):
         res = ctx.res_dtype is not None
         dres = torch.empty_like(x, dtype=ctx.res_dtype, memory_format=torch.channels_last) if res else None
         grid, bm, pc = _point_grid(k, rows, c)
-        k["grad_input"][grid](gy, y if y is not None else gy, x, dx, dres if res else dx, mean, invstd, weight, sums, rows, c,
-                              RES=res, RELU=ctx.relu, BM=bm, BC=pc, num_warps=POINT_WARPS)
+        k["grad_input"][grid](gy, y if y is not None else gy, x, dx, dres if res else dx, mean, invstd, weight, bias, sums, rows, c,
+                              RES=res, ACT=ctx.act, BM=bm, BC=pc, num_warps=POINT_WARPS)
         return dx, gw, gb, dres, None, None, None, None, None
 
 
@@ -308,21 +332,30 @@ def candidates(model: nn.Module) -> list[nn.BatchNorm2d]:
     return [m for m in model.modules() if eligible(m)]
 
 
-def reference(bn: nn.BatchNorm2d, x: torch.Tensor, res: Optional[torch.Tensor], relu: bool) -> torch.Tensor:
+def activate(y: torch.Tensor, act: int) -> torch.Tensor:
+    """torch's own activation `act` of `y`."""
+    if act == RELU:
+        return torch.relu(y)
+    if act == RELU6:
+        return nn.functional.relu6(y)
+    return nn.functional.silu(y) if act == SILU else y
+
+
+def reference(bn: nn.BatchNorm2d, x: torch.Tensor, res: Optional[torch.Tensor], act: int) -> torch.Tensor:
     """What the layer computes with torch's own modules and ops (evaluation, and any input the kernels do not fit)."""
     y = type(bn).forward(bn, x)
     if res is not None:
         y = y + res
-    return torch.relu(y) if relu else y
+    return activate(y, act)
 
 
 class NormAct(nn.Module):
-    """One batch-norm, and the ReLU and residual add after it where the model's graph has them, as the kernels."""
+    """One batch-norm, and the activation and residual add after it where the model's graph has them, as the kernels."""
 
-    def __init__(self, bn: nn.BatchNorm2d, relu: bool, residual: bool, checked: set) -> None:
+    def __init__(self, bn: nn.BatchNorm2d, act: int, residual: bool, checked: set) -> None:
         super().__init__()
         self.__dict__["bn"] = bn  # not a child: its parameters stay the model's alone
-        self.relu = relu
+        self.act = int(act)
         self.residual = residual
         self.checked = checked
 
@@ -330,15 +363,15 @@ class NormAct(nn.Module):
         bn = self.bn
         if not (bn.training and fits(x) and (res is None or (res.shape == x.shape and res.dtype == x.dtype
                                                             and res.is_contiguous(memory_format=torch.channels_last)))):
-            return reference(bn, x, res, self.relu)
-        key = (x.shape[1], x.dtype, self.relu, res is not None)  # what picks the kernels' code: channels, dtype, what is folded in
+            return reference(bn, x, res, self.act)
+        key = (x.shape[1], x.dtype, self.act, res is not None)  # what picks the kernels' code: channels, dtype, what is folded in
         if key not in self.checked and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            check(check_shape(tuple(x.shape)), x.dtype, x.device, bn.eps, self.relu, res is not None)
+            check(check_shape(tuple(x.shape)), x.dtype, x.device, bn.eps, self.act, res is not None)
             self.checked.add(key)
         if bn.track_running_stats and bn.num_batches_tracked is not None:
             bn.num_batches_tracked.add_(1)
         rm, rv = (bn.running_mean, bn.running_var) if bn.track_running_stats else (None, None)
-        return _NormAct.apply(x, bn.weight, bn.bias, res, rm, rv, float(bn.momentum), bn.eps, self.relu)
+        return _NormAct.apply(x, bn.weight, bn.bias, res, rm, rv, float(bn.momentum), bn.eps, self.act)
 
 
 class Norms:
@@ -354,19 +387,20 @@ class Norms:
         self.checked: set[tuple] = set()
         self.model = model
         try:
-            self.graph, self.layers = norm_graph.rewrite(model, lambda bn, relu, residual: NormAct(bn, relu, residual, self.checked), eligible)
+            self.graph, self.layers = norm_graph.rewrite(model, lambda bn, act, residual: NormAct(bn, act, residual, self.checked), eligible)
         except Exception:  # a graph fx traced but could not rewrite: the batch-norms alone, never a failed run
             self.graph, self.layers = None, []
         self.modules = [layer.bn for layer in self.layers] if self.graph is not None else candidates(model)
-        self.singles = [] if self.graph is not None else [(m, NormAct(m, False, False, self.checked)) for m in self.modules]
+        self.singles = [] if self.graph is not None else [(m, NormAct(m, NONE, False, self.checked)) for m in self.modules]
 
     def describe(self) -> str:
-        """How many layers, and how many with the ReLU or the residual folded in (for the run's notes)."""
+        """How many layers, and how many with an activation or the residual folded in."""
         if self.graph is None:
-            return f"{len(self.modules)} batch-norms (the model does not trace with torch.fx: no ReLU folded in)"
-        relu = sum(1 for layer in self.layers if layer.relu)
+            return f"{len(self.modules)} batch-norms (the model does not trace with torch.fx: no activation folded in)"
+        acts = ", ".join(f"{sum(1 for layer in self.layers if layer.act == a)} {name}" for a, name in ACTS.items()
+                         if a != NONE and any(layer.act == a for layer in self.layers))
         res = sum(1 for layer in self.layers if layer.residual)
-        return f"{len(self.layers)} batch-norms, {relu} with their ReLU and {res} with the residual add too"
+        return f"{len(self.layers)} batch-norms; activations folded in: {acts or 'none'}; residual adds folded in: {res}"
 
     def swapped(self) -> contextlib.AbstractContextManager:
         if self.graph is not None:
@@ -384,7 +418,7 @@ def check_shape(shape: tuple) -> tuple:
     return (max(1, min(n, -(-CHECK_ELEMENTS // (c * h * w)))), c, h, w)
 
 
-def check(shape: tuple, dtype: torch.dtype, device: torch.device, eps: float, relu: bool, residual: bool) -> None:
+def check(shape: tuple, dtype: torch.dtype, device: torch.device, eps: float, act: int, residual: bool) -> None:
     """The kernels against torch's batch-norm (and add, ReLU), forward and backward, on an input with a large common
     offset (where sums of squares lose everything); raises Mismatch beyond TOLERANCE of the largest magnitude.
 
@@ -410,17 +444,21 @@ def check(shape: tuple, dtype: torch.dtype, device: torch.device, eps: float, re
         run_m, run_v = rm.clone(), rv.clone()
         with torch.enable_grad():
             if mine:
-                out = _NormAct.apply(xs, ws, bs, rs, run_m, run_v, 0.1, eps, relu)
-                kept = out.detach() > 0
+                out = _NormAct.apply(xs, ws, bs, rs, run_m, run_v, 0.1, eps, act)
+                kept = (out.detach() > 0) & (out.detach() < (6 if act == RELU6 else float("inf")))
             else:  # torch's, in fp32 from the same inputs: what the rounding of `dtype` is measured against
                 out = nn.functional.batch_norm(xs.float(), run_m, run_v, ws, bs, True, 0.1, eps)
                 out = out + rs.float() if rs is not None else out
-                if relu:  # where a value within rounding of zero went the other way, the kernels' side is taken
+                if act in (RELU, RELU6):  # where a value within rounding of a kink went the other way, the kernels' side is taken
                     pre = out.detach()
-                    flipped = kept != (pre > 0)
-                    if flipped.any() and pre[flipped].abs().max().item() > TOLERANCE[dtype] * pre.abs().max().item():
-                        raise Mismatch(f"batch-norm {tuple(shape)} {dtype}: the ReLU kept or dropped values away from zero")
-                    out = out * kept
+                    top = 6.0 if act == RELU6 else float("inf")
+                    flipped = kept != ((pre > 0) & (pre < top))
+                    near = torch.minimum(pre.abs(), (pre - top).abs())
+                    if flipped.any() and near[flipped].max().item() > TOLERANCE[dtype] * pre.abs().max().item():
+                        raise Mismatch(f"batch-norm {tuple(shape)} {dtype}: the {ACTS[act]} kept or dropped values away from its kinks")
+                    out = torch.where(kept, out, activate(pre, act))
+                else:
+                    out = activate(out, act)
             grads = torch.autograd.grad(out, [t for t in (xs, ws, bs, rs) if t is not None], gy.to(out.dtype))
         outs.append([out, *grads, run_m, run_v])
     names = ["output", "input gradient", "weight gradient", "bias gradient"] + (["residual gradient"] if residual else []) + ["running mean", "running var"]
@@ -429,7 +467,7 @@ def check(shape: tuple, dtype: torch.dtype, device: torch.device, eps: float, re
         err = (a.float() - r.float()).abs().max().item() / scale
         tol = TOLERANCE[dtype] if name in ("output", "input gradient", "residual gradient") else TOLERANCE[torch.float32] * 10
         if not err <= tol:
-            raise Mismatch(f"batch-norm {tuple(shape)} {dtype}{' + ReLU' if relu else ''}{' + residual' if residual else ''}: "
+            raise Mismatch(f"batch-norm {tuple(shape)} {dtype}{' + residual' if residual else ''}{' + ' + ACTS[act] if act else ''}: "
                            f"the {name} is off by {err:.1e} of its largest magnitude (tolerance {tol:.0e})")
 
 

@@ -1,4 +1,4 @@
-"""Where a model's batch-norm is followed by a ReLU, or by a residual add and then a ReLU: one layer for fused_norm.
+"""Where a model's batch-norm is followed by an activation (ReLU, ReLU6, SiLU), or by a residual add and then a ReLU: one layer for fused_norm.
 
 Why a graph: ResNets call one `nn.ReLU` module after several batch-norms and after the residual
 add (`out += identity; out = self.relu(out)`), so the modules alone do not say which batch-norm
@@ -8,8 +8,8 @@ while GraphTrainer warms up and captures. A model that does not trace (data-depe
 untraceable calls) keeps its graph, and each batch-norm is swapped alone.
 
 A batch-norm output is folded into the next op only when that op is its one user, so nothing
-else sees the value before the ReLU; an add is folded only with a tensor (not a number) on its
-other side and the ReLU as its one user.
+else sees the value before the activation; an add is folded only with a tensor (not a number) on
+its other side and a ReLU as its one user.
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ import torch
 from torch import nn
 
 _ADDS = (operator.add, operator.iadd, torch.add)
-_RELUS = (torch.relu, torch.relu_, nn.functional.relu)
+# activation codes as fused_norm numbers them: 1 ReLU, 2 ReLU6, 3 SiLU
+_MODULES = {nn.ReLU: 1, nn.ReLU6: 2, nn.SiLU: 3}
+_FUNCTIONS = {torch.relu: 1, torch.relu_: 1, nn.functional.relu: 1, nn.functional.relu6: 2, nn.functional.silu: 3}
+_METHODS = {"relu": 1, "relu_": 1}
 
 
 def _only_user(node: Any) -> Optional[Any]:
@@ -29,14 +32,15 @@ def _only_user(node: Any) -> Optional[Any]:
     return users[0] if len(users) == 1 else None
 
 
-def _is_relu(node: Any, arg: Any, modules: dict[str, nn.Module]) -> bool:
-    if node is None or not node.args or node.args[0] is not arg:
-        return False
+def _activation(node: Any, arg: Any, modules: dict[str, nn.Module]) -> int:
+    """The activation `node` applies to `arg` alone (1 ReLU, 2 ReLU6, 3 SiLU), or 0."""
+    if node is None or len(node.args) != 1 or node.args[0] is not arg:
+        return 0
     if node.op == "call_module":
-        return type(modules.get(node.target)) is nn.ReLU and len(node.args) == 1 and not node.kwargs
+        return _MODULES.get(type(modules.get(node.target)), 0) if not node.kwargs else 0
     if node.op == "call_function":
-        return node.target in _RELUS and len(node.args) == 1 and set(node.kwargs) <= {"inplace"}
-    return node.op == "call_method" and node.target in ("relu", "relu_") and len(node.args) == 1 and not node.kwargs
+        return _FUNCTIONS.get(node.target, 0) if set(node.kwargs) <= {"inplace"} else 0
+    return _METHODS.get(node.target, 0) if node.op == "call_method" and not node.kwargs else 0
 
 
 def _residual(node: Any, arg: Any) -> Optional[Any]:
@@ -54,9 +58,9 @@ def _residual(node: Any, arg: Any) -> Optional[Any]:
     return other if isinstance(other, fx.Node) and other is not arg else None
 
 
-def rewrite(model: nn.Module, make: Callable[[nn.BatchNorm2d, bool, bool], nn.Module],
+def rewrite(model: nn.Module, make: Callable[[nn.BatchNorm2d, int, bool], nn.Module],
             eligible: Callable[[Any], bool]) -> tuple[Optional[Any], list]:
-    """(the model's forward as a GraphModule with each `eligible` batch-norm [+ add] [+ ReLU] a `make(bn, relu, residual)`
+    """(the model's forward as a GraphModule with each `eligible` batch-norm [+ add + ReLU | + activation] a `make(bn, act, residual)`
     module, those modules); (None, []) when the model does not trace or has no eligible batch-norm."""
     from torch import fx
 
@@ -76,15 +80,13 @@ def rewrite(model: nn.Module, make: Callable[[nn.BatchNorm2d, bool, bool], nn.Mo
         after = _only_user(node)
         res = _residual(after, node)
         gone = [node]
-        if res is not None and _is_relu(_only_user(after), after, modules):
-            relu_node = _only_user(after)
-            gone = [relu_node, after, node]
-            relu = True
-        elif _is_relu(after, node, modules):
-            gone, relu, res = [after, node], True, None
+        if res is not None and _activation(_only_user(after), after, modules) == 1:  # relu(bn(x) + res): ResNets' blocks
+            gone, act = [_only_user(after), after, node], 1
         else:
-            relu, res = False, None
-        layer = make(bn, relu, res is not None)
+            act, res = _activation(after, node, modules), None
+            if act:
+                gone = [after, node]
+        layer = make(bn, act, res is not None)
         name = f"mpsrun_norm_{len(layers)}"
         gm.add_submodule(name, layer)
         with gm.graph.inserting_after(gone[0]):
