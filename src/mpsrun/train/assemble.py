@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -161,6 +161,21 @@ def metric_names(objective: Objective) -> list[str]:
     return names + (["grad_norm"] if objective.grad_norm is not None else [])
 
 
+def _kernel_why_not(options: Options, env: str) -> Optional[str]:
+    """Why the Triton kernels captured in place of a module's (max-pool, batch-norm) stay off for this run, or None."""
+    if not options.graphs:
+        return "CUDA graphs are off (the kernels run where steps are replayed)"
+    if not options.channels_last:
+        return "channels_last is off (the kernels are for channels_last tensors)"
+    if os.environ.get(env, "1").strip().lower() in ("0", "false", "no", "off"):
+        return f"{env}=0"
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # pragma: no cover - CUDA torch ships triton
+        return f"triton is not importable ({type(e).__name__})"
+    return None
+
+
 def _fuse_pools(model: nn.Module, device: torch.device, options: Options) -> str:
     """Turn on the max-pool kernels where they apply; the note says why not on a CUDA run whose model has max-pools."""
     if device.type != "cuda":
@@ -169,22 +184,9 @@ def _fuse_pools(model: nn.Module, device: torch.device, options: Options) -> str
 
     if not fused_pool.candidates(model):
         return ""
-    why = None
-    if not options.graphs:
-        why = "CUDA graphs are off (the kernels run where steps are replayed)"
-    elif not options.channels_last:
-        why = "channels_last is off (the kernels are for channels_last tensors)"
-    elif os.environ.get("MPSRUN_FUSED_POOL", "1").strip().lower() in ("0", "false", "no", "off"):
-        why = "MPSRUN_FUSED_POOL=0"
-    else:
-        try:
-            import triton  # noqa: F401
-        except Exception as e:  # pragma: no cover - CUDA torch ships triton
-            why = f"triton is not importable ({type(e).__name__})"
-    if why is None:
-        options.fused_pool = True
-        return ""
-    return f"pools: torch's max-pool kernels, not the fused ones ({why})"
+    why = _kernel_why_not(options, "MPSRUN_FUSED_POOL")
+    options.fused_pool = why is None
+    return "" if why is None else f"pools: torch's max-pool kernels, not the fused ones ({why})"
 
 
 def _fuse_norms(model: nn.Module, device: torch.device, options: Options) -> str:
@@ -195,22 +197,9 @@ def _fuse_norms(model: nn.Module, device: torch.device, options: Options) -> str
 
     if not fused_norm.candidates(model):
         return ""
-    why = None
-    if not options.graphs:
-        why = "CUDA graphs are off (the kernels run where steps are replayed)"
-    elif not options.channels_last:
-        why = "channels_last is off (the kernels are for channels_last tensors)"
-    elif os.environ.get("MPSRUN_FUSED_NORM", "1").strip().lower() in ("0", "false", "no", "off"):
-        why = "MPSRUN_FUSED_NORM=0"
-    else:
-        try:
-            import triton  # noqa: F401
-        except Exception as e:  # pragma: no cover - CUDA torch ships triton
-            why = f"triton is not importable ({type(e).__name__})"
-    if why is None:
-        options.fused_norm = True
-        return ""
-    return f"norms: torch's batch-norm kernels, not the fused ones ({why})"
+    why = _kernel_why_not(options, "MPSRUN_FUSED_NORM")
+    options.fused_norm = why is None
+    return "" if why is None else f"norms: torch's batch-norm kernels, not the fused ones ({why})"
 
 
 def _check_monitor(where: str, name: str, objective: Objective) -> None:

@@ -115,11 +115,11 @@ def train(
 
 
 # The kernels GraphTrainer captures instead of torch's (train/kernels/), in the order a failed capture gives them up:
-# (option, the trainer's attribute that holds them, the note's words, the module whose Mismatch names it)
+# (option, also the train/kernels module whose Mismatch names it; the trainer's attribute that holds them; the note's words)
 _KERNELS = (
-    ("fused_pool", "pools", "pools: torch's max-pool kernels, not the fused ones", "fused_pool"),
-    ("fused_norm", "norms", "norms: torch's batch-norm kernels, not the fused ones", "fused_norm"),
-    ("fused_linear", "fused", "layers: torch's Linear kernels, not the fused ones", "fused_linear"),
+    ("fused_pool", "pools", "pools: torch's max-pool kernels, not the fused ones"),
+    ("fused_norm", "norms", "norms: torch's batch-norm kernels, not the fused ones"),
+    ("fused_linear", "fused", "layers: torch's Linear kernels, not the fused ones"),
 )
 
 
@@ -130,7 +130,7 @@ def _capture_or_eager(trainer: "GraphTrainer", plan: BatchPlan, listener: Listen
         return trainer
     except Exception as e:
         blamed = type(e).__module__.rsplit(".", 1)[-1]  # a kernel's own Mismatch gives up that kernel, not the first in the table
-        for flag, holder, what, module in sorted(_KERNELS, key=lambda k: k[3] != blamed):  # the kernels first, one at a time
+        for flag, holder, what in sorted(_KERNELS, key=lambda k: k[0] != blamed):  # the kernels first, one at a time
             if getattr(trainer.options, flag):
                 why = str(e).splitlines()[0][:300] if str(e) else ""
                 note = f"{what} ({type(e).__name__} before or during capture: {why})"

@@ -40,7 +40,7 @@ class Options:
     cudnn_benchmark: bool = False
     fused_linear: bool = False  # an MLP's Linear (+ ReLU) layers as Triton kernels inside the graphs (fused_linear.py)
     fused_pool: bool = False  # channels_last max-pools as Triton kernels inside the graphs (fused_pool.py)
-    fused_norm: bool = False  # batch-norm (+ ReLU, + residual add) as Triton kernels inside the graphs (fused_norm.py)
+    fused_norm: bool = False  # batch-norm (+ ReLU/ReLU6/SiLU, + residual add) as Triton kernels inside the graphs (fused_norm.py)
     notes: list[str] = field(default_factory=list)  # fallbacks and skipped optimisations
 
     def as_params(self) -> dict[str, str]:
