@@ -24,16 +24,17 @@ MPSRUN = str(Path(sys.executable).parent / "mpsrun")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 ENV.pop("MLFLOW_TRACKING_URI", None)
 
-# About 1-3 s per epoch on one core: long enough to kill mid-epoch, short overall. (At 3,000
+# About 1.5-5 s per epoch on one core: long enough to kill mid-epoch, short overall. (At 3,000
 # samples an epoch took 0.44 s once start-up got faster, and a whole run could end between
-# two polls of wait_for_checkpoint on a busy machine.)
+# two polls of wait_for_checkpoint on a busy machine; at 8,000, 0.55 s on a quiet 2-core machine, and a CI run
+# ended before its first checkpoint was seen.)
 # Dropout on, so the resumed run also needs the restored random generator.
 SLOW = """\
 device: cpu
 epochs: 3
 batch_size: 8
 seed: 3
-dataset: {name: synthetic, shape: [64], dtype: float32, train_size: 8000, val_size: 400, num_classes: 4}
+dataset: {name: synthetic, shape: [64], dtype: float32, train_size: 24000, val_size: 400, num_classes: 4}
 model: {name: mlp, hidden: [256, 256], dropout: 0.2}
 optimizer: {name: adam, lr: 0.001}
 tracking: {experiment: slow}
