@@ -159,6 +159,7 @@ def main() -> int:
     ap.add_argument("--out")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--profile-also", default="", help="more variants to profile with --profile (comma-separated)")
+    ap.add_argument("--barrier", default="", help="DIR:N: after building, wait until N processes are ready in DIR, then time (benchmarks/share_step_gpu.py)")
     a = ap.parse_args()
     global B
     B = a.batch
@@ -179,6 +180,15 @@ def main() -> int:
         for _ in range(50):
             graphs[n][0]()
     torch.cuda.synchronize()
+    if a.barrier:  # processes sharing the GPU time the same seconds
+        import os
+        from pathlib import Path
+
+        where, _, count = a.barrier.rpartition(":")
+        Path(where, f"ready-{os.getpid()}").touch()
+        deadline = time.time() + 300
+        while len(list(Path(where).glob("ready-*"))) < int(count) and time.time() < deadline:
+            time.sleep(0.005)
     times: dict[str, list[float]] = {n: [] for n in ok}
     for _ in range(a.rounds):
         for n in ok:

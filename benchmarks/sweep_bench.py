@@ -80,6 +80,7 @@ sweep:
 
 
 TRACES: dict[str, str] = {}  # label -> the sweep's output, when --trace is given
+EPOCHS: dict[str, str] = {}  # label -> the trials' own epoch times, read from the store after the sweep
 STARTED: dict[str, tuple[float, float]] = {}  # label -> the command's (start, end) on the wall clock
 
 
@@ -212,9 +213,38 @@ def cuda(base: Path, trials: int, workers: list[str], trace: bool = False, epoch
         d, recipe = folder(base, f"fashion_{i}_w{n}", fashion(data, trials, epochs, batch))
         timed(["run", str(recipe), "-q"], d)  # warm-up: the store, CUDA's first context, the page cache
         wall = timed(["sweep", str(recipe), "--workers", n, *extra, "-q"], d, label if trace else None, env)
+        if trace:
+            EPOCHS[label] = epoch_times(d)
         first = first or wall
         rows.append((f"`mpsrun sweep`, {trials} trials, {label}", wall, f"{wall / first:.2f}x" + (" (target <= 0.5x)" if i else "")))
     return rows
+
+
+def epoch_times(d: Path) -> str:
+    """The trials' first and later epochs' training seconds (medians over trials), read from the folder's store.
+
+    Why: a trial's `train` phase is capture plus steady epochs; beside other workers the two grow for
+    different reasons (the CPU and the driver for capture, the GPU's sharing for the epochs).
+    Read with sqlite3 so the bench does not import mlflow.
+    """
+    import sqlite3
+    import statistics
+
+    db = d / "mlruns" / "mlflow.db"
+    if not db.exists():
+        return "no store"
+    with sqlite3.connect(db) as con:
+        rows = con.execute("SELECT run_uuid, step, value FROM metrics WHERE key IN ('system/train_time_s', 'train_time_s')").fetchall()
+    per: dict[str, dict[int, float]] = {}
+    for run, step, value in rows:
+        per.setdefault(run, {})[int(step)] = float(value)
+    firsts = [e[min(e)] for e in per.values() if e]
+    later = [v for e in per.values() for s, v in e.items() if s != min(e)]
+    if not firsts:
+        return "no epochs logged"
+    return (f"{len(firsts)} runs: first epoch (capture) median {statistics.median(firsts):.3f} s, "
+            f"later epochs median {statistics.median(later) if later else float('nan'):.4f} s "
+            f"(min {min(later) if later else float('nan'):.4f}, max {max(later) if later else float('nan'):.4f})")
 
 
 def machine(device: str) -> str:
@@ -262,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
         for label, text in TRACES.items():
             for row in timeline(label, text):
                 print(row)
+    if EPOCHS:
+        print("\nThe trials' training epochs (from each folder's store; the warm-up run included):\n")
+        for label, text in EPOCHS.items():
+            print(f"- {label}: {text}")
     return 0
 
 

@@ -361,7 +361,7 @@ def _graph_sync_rank(rank: int, init: str, out: str) -> None:
     x, y = torch.randn(3, 16, 2, 4, 4, generator=gen), torch.randint(0, 4, (3, 16), generator=gen)
     mine = slice(8 * rank, 8 * (rank + 1))  # this rank's half of each global batch of 16
     results = []
-    for kind in ("ddp", "graph_sync", "buckets"):
+    for kind in ("ddp", "graph_sync", "buckets", "tail"):
         torch.manual_seed(0)
         # a channels_last convolution: its weight's gradient is not contiguous (flattened in memory order)
         model = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Flatten(),
@@ -373,16 +373,20 @@ def _graph_sync_rank(rank: int, init: str, out: str) -> None:
                     p.add_(1.0)
         # graph_sync: one bucket, all-reduced after backward; buckets: one per parameter (1-byte buckets),
         # each issued by its gradient's hook during backward (as under a captured step), the last layer's first
-        net = DDP(model) if kind == "ddp" else graph_sync.install(model, 2, **({"bucket_bytes": 1} if kind == "buckets" else {}))
+        # tail: the first layers (convolution, batch-norm: 336 bytes) in a last bucket of their own, the rest size-filled
+        sizes = {"buckets": {"bucket_bytes": 1}, "tail": {"bucket_bytes": 500, "tail_bytes": 400}}.get(kind, {})
+        net = DDP(model) if kind == "ddp" else graph_sync.install(model, 2, **sizes)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for s in range(3):
             opt.zero_grad(set_to_none=True)
-            if kind == "buckets":
+            if kind in ("buckets", "tail"):
                 graph_sync.arm()
-                assert len(graph_sync._sync.buckets) == 6  # type: ignore[union-attr]
+                assert len(graph_sync._sync.buckets) == (6 if kind == "buckets" else 2)  # type: ignore[union-attr]
+            if kind == "tail":
+                assert graph_sync._sync.buckets[-1][-1] is model[0].weight  # type: ignore[union-attr]
             torch.nn.functional.cross_entropy(net(x[s, mine].contiguous(memory_format=torch.channels_last)), y[s, mine]).backward()
             assert not model[0].weight.grad.is_contiguous()  # the gradient keeps the weight's layout
-            if kind == "buckets":
+            if kind in ("buckets", "tail"):
                 assert all(i is not None for i in graph_sync._sync.issued)  # type: ignore[union-attr]  # every bucket went out during backward
             graph_sync.sync_grads()  # a no-op under DDP (not installed yet / reset)
             opt.step()
@@ -390,6 +394,24 @@ def _graph_sync_rank(rank: int, init: str, out: str) -> None:
         results.append([p.detach().clone() for p in model.parameters()])
     torch.save(results, f"{out}.{rank}")
     dist.destroy_process_group()
+
+
+def test_graph_sync_buckets_keep_the_first_layers_for_a_small_last_bucket() -> None:
+    """ResNet18's buckets: every parameter once, the size-filled ones in reverse, the first layers (at most 1 MiB) last
+    and alone; no tail where the model is one bucket, or where it is switched off."""
+    import torchvision
+
+    from mpsrun.train.ranks import graph_sync
+
+    params = list(torchvision.models.resnet18().parameters())
+    out = graph_sync.buckets(params, graph_sync.BUCKET_BYTES, graph_sync.TAIL_BYTES)
+    assert sorted(id(p) for b in out for p in b) == sorted(id(p) for p in params)
+    assert out[-1][-1] is params[0] and sum(p.numel() * 4 for p in out[-1]) <= 2**20
+    assert out[0][0] is params[-1] and len(out) == 3
+    assert len(graph_sync.buckets(params, graph_sync.BUCKET_BYTES, 0)) == 2  # the first layers inside a 15 MB bucket
+    assert len(graph_sync.buckets(params, 2**62, graph_sync.TAIL_BYTES)) == 2  # a tail, then the rest in one
+    small = list(torch.nn.Linear(10, 10).parameters())
+    assert graph_sync.buckets(small, graph_sync.BUCKET_BYTES, graph_sync.TAIL_BYTES) == [small[::-1]]
 
 
 def test_graph_sync_average_is_ddp_s_on_gloo_processes(tmp_path: Path) -> None:
@@ -401,8 +423,9 @@ def test_graph_sync_average_is_ddp_s_on_gloo_processes(tmp_path: Path) -> None:
     out = str(tmp_path / "params")
     mp.spawn(_graph_sync_rank, args=(f"file://{tmp_path / 'rdv'}", out), nprocs=2, join=True)
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
-    for ddp, mine, bucketed in zip(r0[0], r0[1], r0[2]):
+    for ddp, mine, bucketed, tailed in zip(r0[0], r0[1], r0[2], r0[3]):
         assert torch.allclose(ddp, mine, atol=1e-6)
         assert torch.allclose(ddp, bucketed, atol=1e-6)
-    for a, b in zip(r0[1] + r0[2], r1[1] + r1[2]):
+        assert torch.allclose(ddp, tailed, atol=1e-6)
+    for a, b in zip(r0[1] + r0[2] + r0[3], r1[1] + r1[2] + r1[3]):
         assert torch.equal(a, b)
