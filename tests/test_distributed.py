@@ -389,6 +389,8 @@ def _graph_sync_rank(rank: int, init: str, out: str) -> None:
             if kind in ("buckets", "tail"):
                 assert all(i is not None for i in graph_sync._sync.issued)  # type: ignore[union-attr]  # every bucket went out during backward
             graph_sync.sync_grads()  # a no-op under DDP (not installed yet / reset)
+            if kind != "ddp":  # every gradient a view of its averaged bucket, in its own layout (no copy back)
+                assert all(p.grad._base is not None and p.grad.stride() == p.stride() for p in model.parameters())
             opt.step()
         graph_sync.reset()
         results.append([p.detach().clone() for p in model.parameters()])
