@@ -178,6 +178,9 @@ def cpu(base: Path, trials: int, repeats: int, trace: bool = False) -> list[tupl
     for i in range(repeats):
         ones.append(timed(["run", str(recipe), "-q"], d))
         sweeps.append(timed(["sweep", str(recipe), "--study", f"bench{i}", "-q"], d, f"cpu, 1 worker, pair {i + 1}" if trace else None))
+    bad = failed_trials(d)
+    if bad:
+        sys.exit(f"the digits sweeps are no timing: {bad}")
     one, sweep = statistics.median(ones), statistics.median(sweeps)
     ratios = sorted(s / o for s, o in zip(sweeps, ones))
     return [
@@ -215,9 +218,30 @@ def cuda(base: Path, trials: int, workers: list[str], trace: bool = False, epoch
         wall = timed(["sweep", str(recipe), "--workers", n, *extra, "-q"], d, label if trace else None, env)
         if trace:
             EPOCHS[label] = epoch_times(d)
+        bad = failed_trials(d)
         first = first or wall
-        rows.append((f"`mpsrun sweep`, {trials} trials, {label}", wall, f"{wall / first:.2f}x" + (" (target <= 0.5x)" if i else "")))
+        rows.append((f"`mpsrun sweep`, {trials} trials, {label}", wall, bad or f"{wall / first:.2f}x" + (" (target <= 0.5x)" if i else "")))
     return rows
+
+
+def failed_trials(d: Path) -> str:
+    """'' when no trial of the folder's sweeps FAILED; else how many and the first error (the row is then no timing).
+
+    Why: a trial that fails in its first step is fast, and a sweep of them looks fast (on a 2-GPU host the second
+    worker's trials failed in 0.2 s each, and this script printed 0.40x until it read the states).
+    """
+    import sqlite3
+
+    db = d / "mlruns" / "mlflow.db"
+    if not db.exists():
+        return ""
+    with sqlite3.connect(db) as con:
+        failed = con.execute("SELECT run_uuid FROM tags WHERE key = 'mpsrun.sweep.state' AND value = 'FAILED'").fetchall()
+        total = con.execute("SELECT COUNT(*) FROM tags WHERE key = 'mpsrun.sweep.state'").fetchone()[0]
+        error = con.execute("SELECT value FROM tags WHERE key = 'mpsrun.error' LIMIT 1").fetchone()
+    if not failed:
+        return ""
+    return f"NOT A TIMING: {len(failed)} of {total} trials FAILED ({(error[0] if error else '?')[:200]})"
 
 
 def epoch_times(d: Path) -> str:
@@ -235,6 +259,7 @@ def epoch_times(d: Path) -> str:
         return "no store"
     with sqlite3.connect(db) as con:
         rows = con.execute("SELECT run_uuid, step, value FROM metrics WHERE key IN ('system/train_time_s', 'train_time_s')").fetchall()
+        devices = con.execute("SELECT value, COUNT(*) FROM params WHERE key = 'device' GROUP BY value").fetchall()
     per: dict[str, dict[int, float]] = {}
     for run, step, value in rows:
         per.setdefault(run, {})[int(step)] = float(value)
@@ -242,7 +267,7 @@ def epoch_times(d: Path) -> str:
     later = [v for e in per.values() for s, v in e.items() if s != min(e)]
     if not firsts:
         return "no epochs logged"
-    return (f"{len(firsts)} runs: first epoch (capture) median {statistics.median(firsts):.3f} s, "
+    return (f"{len(firsts)} runs ({', '.join(f'{n} on {d}' for d, n in sorted(devices))}): first epoch (capture) median {statistics.median(firsts):.3f} s, "
             f"later epochs median {statistics.median(later) if later else float('nan'):.4f} s "
             f"(min {min(later) if later else float('nan'):.4f}, max {max(later) if later else float('nan'):.4f})")
 

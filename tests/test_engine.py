@@ -169,6 +169,29 @@ def test_cuda_graphs_match_eager_exactly(optimizer: str) -> None:
         assert g.val_accuracy == pytest.approx(e.val_accuracy, abs=2e-3)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (run on the 2-GPU machine)")
+def test_second_gpu_trains_with_graphs_and_fused_kernels() -> None:
+    """`device=cuda:1`: Triton's kernels and the graphs' capture go to the current device, so the run makes cuda:1
+    current (on 2x H100 before that: "Pointer argument cannot be accessed from Triton", and an empty graph)."""
+    setup = _setup("device=cuda:1", "epochs=2")
+    assert torch.cuda.current_device() == 1
+    result = _train(setup)
+    assert setup.options.graphs and setup.options.fused_linear, setup.options.notes  # nothing fell back
+    assert result.epochs[-1].val_accuracy > 0.5
+    torch.cuda.set_device(0)
+
+
+def test_indexed_cuda_device_is_made_current_cuda_mock(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The logic of `make_current` where there is no GPU: `cuda:N` is set, plain `cuda` and the CPU are left alone."""
+    from mpsrun.devices import resolve as devices
+
+    calls: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    for d in ("cuda:1", "cuda", "cpu", "cuda:0"):
+        devices.make_current(torch.device(d))
+    assert calls == [torch.device("cuda:1"), torch.device("cuda:0")]
+
+
 @cuda
 def test_cuda_graphs_are_the_default_for_resident_data() -> None:
     setup = _setup("device=cuda", "epochs=1")

@@ -76,6 +76,18 @@ def resolve(requested: str, fallback: list[str] | None = None) -> DeviceChoice:
     raise DeviceUnavailable("; ".join(lines) + "." + hint)
 
 
+def make_current(device: torch.device) -> None:
+    """`cuda:N` made this process's current CUDA device (a no-op elsewhere, and for plain `cuda`).
+
+    Why: Triton launches its kernels, and `torch.cuda.graph` captures, on the current device,
+    not the tensors' own. A run on `cuda:1` (a sweep's second worker on a 2-GPU host, or
+    `device=cuda:1`) otherwise handed Triton pointers from another GPU ("cannot be accessed
+    from Triton") and captured empty graphs; found on 2x H100. A process trains on one device.
+    """
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait until all queued work on `device` is done; a no-op on the CPU."""
     if device.type == "cuda":

@@ -180,9 +180,11 @@ def prepare(resolved: Resolved, splits: DataSplits | None = None) -> Setup:
     job = distributed.from_env()  # one of several ranks (mpsrun run --nproc, torchrun)
     if job is not None:
         try:
-            notes += distributed.join(job, choice, recipe.batch_size)
+            notes += distributed.join(job, choice, recipe.batch_size)  # sets each rank's GPU
         except ValueError as e:
             raise InputError(str(e)) from None
+    else:
+        devices.make_current(choice.device)
     seed_everything(recipe.seed)
     # a sweep worker's splits are shared by its trials: augment a copy (augment_data replaces its transform)
     splits = build_data(recipe, resolved) if splits is None else copy.copy(splits)
