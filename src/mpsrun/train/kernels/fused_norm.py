@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from mpsrun.train.kernels import swap
+from mpsrun.train.kernels.norm_graph import NONE, RELU, RELU6, SILU
 
 # Tiles, from benchmarks/norm_kernels_gpu.py on an H100 (ResNet18's shapes at batch 256, bf16)
 REDUCE_ROWS = 64  # rows a reducing program loads at once
@@ -47,7 +48,7 @@ FINAL_CHANNELS = 32  # channels per program of the combining kernels
 FINAL_ROWS = 64  # partial results they load at once
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}  # of the largest magnitude compared
 
-NONE, RELU, RELU6, SILU = 0, 1, 2, 3  # the activation after a batch-norm (and its residual add), folded into the kernels
+# NONE, RELU, RELU6, SILU (norm_graph's codes): the activation after a batch-norm (and its residual add), folded into the kernels
 ACTS = {NONE: "none", RELU: "ReLU", RELU6: "ReLU6", SILU: "SiLU"}
 
 _kernels: dict[str, Any] = {}

@@ -21,10 +21,10 @@ import torch
 from torch import nn
 
 _ADDS = (operator.add, operator.iadd, torch.add)
-# activation codes as fused_norm numbers them: 1 ReLU, 2 ReLU6, 3 SiLU
-_MODULES = {nn.ReLU: 1, nn.ReLU6: 2, nn.SiLU: 3}
-_FUNCTIONS = {torch.relu: 1, torch.relu_: 1, nn.functional.relu: 1, nn.functional.relu6: 2, nn.functional.silu: 3}
-_METHODS = {"relu": 1, "relu_": 1}
+NONE, RELU, RELU6, SILU = 0, 1, 2, 3  # the activation after a batch-norm, as fused_norm's kernels take it (defined here: no import circle)
+_MODULES = {nn.ReLU: RELU, nn.ReLU6: RELU6, nn.SiLU: SILU}
+_FUNCTIONS = {torch.relu: RELU, torch.relu_: RELU, nn.functional.relu: RELU, nn.functional.relu6: RELU6, nn.functional.silu: SILU}
+_METHODS = {"relu": RELU, "relu_": RELU}
 
 
 def _only_user(node: Any) -> Optional[Any]:
@@ -33,14 +33,14 @@ def _only_user(node: Any) -> Optional[Any]:
 
 
 def _activation(node: Any, arg: Any, modules: dict[str, nn.Module]) -> int:
-    """The activation `node` applies to `arg` alone (1 ReLU, 2 ReLU6, 3 SiLU), or 0."""
+    """The activation `node` applies to `arg` alone (RELU, RELU6, SILU), or NONE."""
     if node is None or len(node.args) != 1 or node.args[0] is not arg:
-        return 0
+        return NONE
     if node.op == "call_module":
-        return _MODULES.get(type(modules.get(node.target)), 0) if not node.kwargs else 0
+        return _MODULES.get(type(modules.get(node.target)), NONE) if not node.kwargs else NONE
     if node.op == "call_function":
-        return _FUNCTIONS.get(node.target, 0) if set(node.kwargs) <= {"inplace"} else 0
-    return _METHODS.get(node.target, 0) if node.op == "call_method" and not node.kwargs else 0
+        return _FUNCTIONS.get(node.target, NONE) if set(node.kwargs) <= {"inplace"} else NONE
+    return _METHODS.get(node.target, NONE) if node.op == "call_method" and not node.kwargs else NONE
 
 
 def _residual(node: Any, arg: Any) -> Optional[Any]:
@@ -80,8 +80,8 @@ def rewrite(model: nn.Module, make: Callable[[nn.BatchNorm2d, int, bool], nn.Mod
         after = _only_user(node)
         res = _residual(after, node)
         gone = [node]
-        if res is not None and _activation(_only_user(after), after, modules) == 1:  # relu(bn(x) + res): ResNets' blocks
-            gone, act = [_only_user(after), after, node], 1
+        if res is not None and _activation(_only_user(after), after, modules) == RELU:  # relu(bn(x) + res): ResNets' blocks
+            gone, act = [_only_user(after), after, node], RELU
         else:
             act, res = _activation(after, node, modules), None
             if act:
