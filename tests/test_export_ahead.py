@@ -42,22 +42,14 @@ def test_weights_are_swapped_in_and_a_changed_model_is_exported_again(tmp_path: 
             assert torch.equal(_pt2_answers(pt2, x), trained(x))
             assert not torch.equal(_pt2_answers(pt2, x), _served(0.01, seed=0)(x))  # not the untrained weights
 
-        # 2. the same exporter, the next model: a plain attribute the forward reads changed (the slope);
-        # then the end-of-run figures, drawn there while the helper would write the model
+        # 2. the same exporter, the next model: a plain attribute the forward reads changed (the slope)
         ex.begin(_served(0.01, seed=0), example)
         changed = _served(0.3, seed=2)
         (tmp_path / "b").mkdir()
-        history = [{"train_loss": 1.0 / (i + 1), "val_loss": 1.2 / (i + 1), "val_accuracy": 0.1 * i} for i in range(4)]
-        predictions = (np.array([0, 1, 2, 1]), np.eye(3, dtype=np.float32)[[0, 2, 2, 1]])
-        pt2, info = ex.finish(changed, str(tmp_path / "b"), (history, "a title", predictions, ["a", "b", "c"], True))
+        pt2, info = ex.finish(changed, str(tmp_path / "b"))
         assert info["how"] == "again" and "changed beyond its weights" in info["why"], info
         with torch.no_grad():
             assert torch.equal(_pt2_answers(pt2, x), changed(x))
-        drawn = ex.figures_result()
-        assert drawn["notes"] == [] and sorted(folder + "/" + Path(f).name for f, folder in drawn["files"]) == [
-            "figures/confusion_matrix.png", "figures/learning_curves.png", "figures/per_class_accuracy.png"]
-        assert all(Path(f).read_bytes()[:4] == b"\x89PNG" for f, _ in drawn["files"])
-        assert drawn["tables"][0][1] == "tables/per_class_accuracy.json" and drawn["tables"][0][0]["correct"] == [1, 1, 1]
         # 3. the training process gone without closing it (as after a SIGKILL): the exporter ends, its files removed
         assert Path(ex.dir, "begin.pt").exists()
         ex.proc.stdin.close()  # type: ignore[union-attr]
@@ -65,6 +57,31 @@ def test_weights_are_swapped_in_and_a_changed_model_is_exported_again(tmp_path: 
         assert not Path(ex.dir).exists()
     finally:
         ex.close()
+
+
+def test_the_drawer_draws_the_end_figures_without_torch(tmp_path: Path) -> None:
+    """The drawer (`exporter --draw`): the end-of-run figures as PNG files and the per-class table, in a
+    process that never loads torch (it starts beside the run's own import of torch) and exports nothing."""
+    dr = exporter.Exporter(draw_only=True)
+    try:
+        history = [{"train_loss": 1.0 / (i + 1), "val_loss": 1.2 / (i + 1), "val_accuracy": 0.1 * i} for i in range(4)]
+        predictions = (np.array([0, 1, 2, 1]), np.eye(3, dtype=np.float32)[[0, 2, 2, 1]])
+        dr.draw((history, "a title", predictions, ["a", "b", "c"], True))
+        drawn = dr.figures_result()
+        assert drawn["notes"] == [] and sorted(folder + "/" + Path(f).name for f, folder in drawn["files"]) == [
+            "figures/confusion_matrix.png", "figures/learning_curves.png", "figures/per_class_accuracy.png"]
+        assert all(Path(f).read_bytes()[:4] == b"\x89PNG" for f, _ in drawn["files"])
+        assert drawn["tables"][0][1] == "tables/per_class_accuracy.json" and drawn["tables"][0][0]["correct"] == [1, 1, 1]
+        dr.draw((history, "a title", "ValueError: no predictions", None, False))  # the curves drawn by the helper
+        drawn = dr.figures_result()
+        assert drawn["files"] == [] and drawn["notes"] == ["figures: not logged (RuntimeError: ValueError: no predictions)"], drawn
+        maps = Path(f"/proc/{dr.proc.pid}/maps").read_text()
+        assert "matplotlib" in maps and "libtorch" not in maps
+        dr.begin(_served(0.01, seed=0), np.zeros((2, 3, 4), np.float32))
+        assert dr._receive() == (False, "a drawer does not begin")
+    finally:
+        dr.close()
+    assert dr.proc.poll() is not None and not Path(dr.dir).exists()
 
 
 def test_an_exporter_that_died_is_said_and_the_run_can_export_itself(tmp_path: Path) -> None:

@@ -61,7 +61,8 @@ def run(
         uri, artifact_root = store.resolve_uri(tracking_uri)
         try:
             tracker = background.start(uri, resolved.recipe.tracking.experiment or resolved.path.stem, artifact_root, device=resolved.recipe.device,
-                                       export_ahead=resolved.recipe.tracking.log_model, accelerator=_likely_accelerator(resolved.recipe.device))
+                                       export_ahead=resolved.recipe.tracking.log_model, accelerator=_likely_accelerator(resolved.recipe.device),
+                                       draw_ahead=resolved.recipe.tracking.figures)
         except background.TrackingSetupError as e:
             raise bad_input(str(e)) from None
     from mpsrun.train import runner

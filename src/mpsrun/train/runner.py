@@ -185,6 +185,10 @@ def prepare(resolved: Resolved, splits: DataSplits | None = None) -> Setup:
             raise InputError(str(e)) from None
     else:
         devices.make_current(choice.device)
+    if choice.device.type == "cuda":
+        from mpsrun.train.kernels import warm
+
+        warm.start()  # the fused kernels' first launch hashes Triton's library: on a thread, while data and model load
     seed_everything(recipe.seed)
     # a sweep worker's splits are shared by its trials: augment a copy (augment_data replaces its transform)
     splits = build_data(recipe, resolved) if splits is None else copy.copy(splits)

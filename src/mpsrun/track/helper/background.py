@@ -74,7 +74,8 @@ def may_run_on_mps(device: str | None) -> bool:
 
 
 def start(uri: str, experiment: str, artifact_root: str | None = None, mode: str | None = None, device: str | None = None,
-          keep_open: bool = False, export_ahead: bool = False, accelerator: bool = True, warm: str | None = None) -> "BackgroundTracker":
+          keep_open: bool = False, export_ahead: bool = False, accelerator: bool = True, warm: str | None = None,
+          draw_ahead: bool = False) -> "BackgroundTracker":
     """Begin MLflow set-up now (import, client, store checks, experiment look-up); returns at once.
 
     `device`: the recipe's; auto mode keeps the tracker in this process where it may be MPS.
@@ -82,8 +83,9 @@ def start(uri: str, experiment: str, artifact_root: str | None = None, mode: str
     `export_ahead`: the run logs a model: start the exporter process too, where it pays
     (track/helper/exporter.py); `accelerator`: the run will likely train on a GPU. `warm`: "begin" when
     the runs log no model and no figures (a sweep's trials): the helper imports only what `begin` needs.
+    `draw_ahead`: the run draws the end-of-run figures: start a drawer process too, where an exporter would pay.
     """
-    return BackgroundTracker(uri, experiment, artifact_root, mode, device, keep_open, export_ahead, accelerator, warm)
+    return BackgroundTracker(uri, experiment, artifact_root, mode, device, keep_open, export_ahead, accelerator, warm, draw_ahead)
 
 
 class BackgroundTracker:
@@ -94,7 +96,8 @@ class BackgroundTracker:
     """
 
     def __init__(self, uri: str, experiment: str, artifact_root: str | None = None, mode: str | None = None, device: str | None = None,
-                 keep_open: bool = False, export_ahead: bool = False, accelerator: bool = True, warm: str | None = None) -> None:
+                 keep_open: bool = False, export_ahead: bool = False, accelerator: bool = True, warm: str | None = None,
+                 draw_ahead: bool = False) -> None:
         self.uri, self.experiment, self.artifact_root = uri, experiment, artifact_root
         self.keep_open = keep_open  # one run after another in the same helper (a sweep's worker): `finish` leaves it running
         self.mode, self.mode_reason = choose_mode(mode)
@@ -119,21 +122,29 @@ class BackgroundTracker:
         elif self.mode == "process":
             self._remote = _Remote(uri, experiment, artifact_root, warm)
         self._exporter: Any = None
+        self._drawer: Any = None  # the drawer process (track/helper/exporter.py), until the end figures are asked for
         self._export_asked = export_ahead  # `mpsrun run` (tagged mpsrun.model_export), not a sweep's worker
-        self._figures_args: tuple | None = None  # the end figures, held for the exporter to draw after the model
-        self._drawing: Any = None  # the exporter drawing them
+        self._figures_args: tuple | None = None  # the end figures' arguments, while the drawer draws
+        self._drawing: Any = None  # the drawer drawing them
         self._curves: Any = None  # the helper's answer for the learning curves it draws meanwhile
         self._artifact_uri: str | None = None  # the run's, read once at `start`
         self.export_why = "" if export_ahead else "no exporter process: `mpsrun run` starts one"
-        if export_ahead:
+        if export_ahead or draw_ahead:
             from mpsrun.track.helper import exporter
 
-            wanted, self.export_why = exporter.wanted(accelerator)
-            if wanted:
+            wanted, why = exporter.wanted(accelerator)  # the same rule: a process beside training, where cores are spare
+            if export_ahead:
+                self.export_why = why
+            if wanted and export_ahead:
                 try:
                     self._exporter = exporter.Exporter()
                 except OSError as e:
                     self.export_why = f"the exporter process did not start ({e})"
+            if wanted and draw_ahead:
+                try:
+                    self._drawer = exporter.Exporter(draw_only=True)
+                except OSError:  # the helper draws them, as without a drawer
+                    pass
 
     # -- set-up
     def _warm(self) -> None:
@@ -265,11 +276,20 @@ class BackgroundTracker:
     def hook_later(self, name: str, *args: Any) -> Callable[[], Any]:
         """A record hook started now, its answer read when asked for (the helper draws while this process exports).
 
-        With an exporter process, the end-of-run figures wait for the model: the exporter draws them
-        after the model's weights, while the helper writes the model (`_log_model_ahead`)."""
-        if name == "end_figures" and self._exporter is not None:
-            self._figures_args = args
-            return self._figures_answer
+        With a drawer process, the end-of-run figures start at once: the drawer draws the prediction
+        figures while the helper draws the learning curves, then writes the model (`_log_model_ahead`)."""
+        if name == "end_figures" and self._drawer is not None:
+            from mpsrun.track.helper.exporter import ExportAheadFailed
+
+            drawer, self._drawer = self._drawer, None
+            try:
+                drawer.draw((*args, False))  # all but the learning curves
+            except ExportAheadFailed:  # the drawer is gone: the helper draws them all, as without one
+                drawer.close()
+            else:
+                self._figures_args, self._drawing = args, drawer
+                self._curves = self.hook_later("curves", args[0], args[1])
+                return self._figures_answer
         if self._remote is not None:
             try:
                 p = self._remote.post("hook", name, *args)
@@ -328,24 +348,15 @@ class BackgroundTracker:
         exporter, self._exporter = self._exporter, None
         try:
             with tempfile.TemporaryDirectory(prefix="mpsrun-model-") as d:
-                # The exporter draws the prediction figures; the helper, once it has written the model,
-                # the learning curves (about a fifth of a second each way on the H100 machine).
-                draw = (*self._figures_args, False) if self._figures_args is not None else None
                 try:
-                    pt2, info = exporter.finish(served, d, draw)
+                    pt2, info = exporter.finish(served, d)
                 except ExportAheadFailed as e:
                     self.export_why = f"the exporter could not serve: {e}"
                     return None
-                if exporter.drawing:  # drawn there while the helper writes the model; read by `_figures_answer`
-                    self._drawing = exporter
                 outputs = model_log.example_outputs(served, example)
                 out = self._hook_here("log_exported", pt2, example, outputs, str(torch.__version__), *rest)
-                if self._drawing is exporter:
-                    history, title = self._figures_args[0], self._figures_args[1]  # type: ignore[index]
-                    self._curves = self.hook_later("curves", history, title)
         finally:
-            if self._drawing is not exporter:
-                exporter.close()
+            exporter.close()
         began = f"exported while training ({info['began_s']:.2f} s)" if info.get("began_s") is not None else "exported while training"
         if info["how"] == "ahead":
             how = f"ahead: {began} in a process of its own; the trained weights swapped in at the end (waited {exporter.waited_s:.2f} s)"
@@ -355,24 +366,24 @@ class BackgroundTracker:
         return out
 
     def _figures_answer(self) -> list[str]:
-        """The end-of-run figures' notes: drawn by the exporter and logged by the helper, else drawn by the helper."""
+        """The end-of-run figures' notes: drawn by the drawer and logged by the helper, else drawn by the helper."""
         from mpsrun.track.helper.exporter import ExportAheadFailed
 
         args, self._figures_args = self._figures_args, None
-        exporter, self._drawing = self._drawing, None
+        drawer, self._drawing = self._drawing, None
         curves, self._curves = self._curves, None
-        if exporter is not None:
+        if drawer is not None:
             notes: list[str] = []
-            try:  # drawn by the helper after the model; or now, where writing the model failed first
+            try:  # drawn and logged by the helper meanwhile
                 curves() if curves is not None else self._hook_here("curves", *args[:2])  # type: ignore[index]
             except Exception as e:  # noqa: BLE001
                 notes.append(f"figures: learning curves not logged ({type(e).__name__}: {e})")
             try:
-                return notes + self._hook_here("log_drawn", exporter.figures_result())
+                return notes + self._hook_here("log_drawn", drawer.figures_result())
             except ExportAheadFailed:
-                pass  # drawn by the helper below, as without an exporter
+                pass  # drawn by the helper below, as without a drawer
             finally:
-                exporter.close()
+                drawer.close()
         return self._hook_here("end_figures", *args) if args is not None else []
 
     def hook(self, name: str, *args: Any) -> Any:
@@ -457,10 +468,10 @@ class BackgroundTracker:
             self._remote.close(wait)
 
     def _close_exporter(self) -> None:
-        for exporter in (self._exporter, self._drawing):
+        for exporter in (self._exporter, self._drawer, self._drawing):
             if exporter is not None:
                 exporter.close()
-        self._exporter = self._drawing = None
+        self._exporter = self._drawer = self._drawing = None
 
     def _need(self) -> store.Tracker:
         tracker = self._ready()

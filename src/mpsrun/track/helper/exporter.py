@@ -7,10 +7,15 @@ second or two every user waits for and no plain script pays. A model's graph doe
 depend on its weights, so the exporter (`python -m mpsrun.track.helper.exporter`),
 started with the MLflow helper before torch is imported, imports torch and torch.export
 on a core of its own, exports a CPU copy of the untrained model as soon as it is built,
-and at the end only swaps the trained weights into the exported program and saves it. Then,
-while the MLflow helper writes the model, it draws the end-of-run figures (matplotlib,
-warmed during training too) as PNG files that the helper only has to log: the helper
-used to draw them (1.2 s on the H100 machine) before it could write the model (0.6 s).
+and at the end only swaps the trained weights into the exported program and saves it.
+
+The drawer (`python -m mpsrun.track.helper.exporter --draw`, the same code in another role)
+imports matplotlib (not torch) and draws a throw-away figure as the run starts, then draws
+the end-of-run prediction figures as PNG files that the helper only has to log, while the
+helper draws the learning curves and writes the model. Both used to be the exporter's work
+after its export: on the H100 machine its imports (torch, torch.export) and the export took
+about as long as the run's set-up and training, so the figures' warm-up (0.85 s) made the end
+of the run wait for the exporter (log_model 1.05 s, of which the helper's own work 0.55 s).
 
 It is an optimisation, never a second source of truth: the end compares the final
 model with the one exported ahead (module types, plain attributes, state_dict names,
@@ -47,6 +52,7 @@ MIN_CORES = 4  # a run on a GPU
 MIN_CORES_CPU = 8  # a run on the CPU
 
 
+DRAW_ARG = "--draw"  # the process is a drawer: figures only, no torch
 MAX_ENV = "MPSRUN_EXPORT_AHEAD_MAX_MB"  # larger models are exported at the end (default 1024)
 
 
@@ -92,10 +98,13 @@ def wanted(accelerator: bool = True) -> tuple[bool, str]:
 
 
 class Exporter:
-    """The training process's side: start the exporter, hand it the model twice, take the pt2 file."""
+    """The training process's side: start the exporter, hand it the model twice, take the pt2 file.
 
-    def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="mpsrun-export-")
+    `draw_only`: start a drawer instead, which takes `draw` (the end-of-run figures) and nothing else.
+    """
+
+    def __init__(self, draw_only: bool = False) -> None:
+        self.dir = tempfile.mkdtemp(prefix="mpsrun-draw-" if draw_only else "mpsrun-export-")
         self.log = os.path.join(self.dir, "exporter.log")
         self.begun = False
         self.drawing = False  # figures asked for, answer not read
@@ -104,7 +113,7 @@ class Exporter:
             # Own session: a Ctrl-C at the terminal is the training process's to handle; an exporter
             # whose parent is gone reads the end of its stdin and exits. One thread: it must not take
             # cores from the training it runs beside.
-            self.proc = subprocess.Popen([sys.executable, "-m", "mpsrun.track.helper.exporter"], stdin=subprocess.PIPE,
+            self.proc = subprocess.Popen([sys.executable, "-m", "mpsrun.track.helper.exporter", *([DRAW_ARG] if draw_only else [])], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=err, start_new_session=True, bufsize=0,
                                          env={**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
 
@@ -117,12 +126,8 @@ class Exporter:
         self._send(("begin", path))
         self.begun = True
 
-    def finish(self, served: Any, folder: str, figures: tuple | None = None) -> tuple[str, dict[str, Any]]:
-        """The trained model's pt2 file in `folder`, and how it was made; raises ExportAheadFailed.
-
-        `figures`: the end-of-run figures' arguments (as `draw` takes them): the exporter draws them
-        next, while the MLflow helper logs the model; `figures_result` reads them.
-        """
+    def finish(self, served: Any, folder: str) -> tuple[str, dict[str, Any]]:
+        """The trained model's pt2 file in `folder`, and how it was made; raises ExportAheadFailed."""
         import torch
 
         if not self.begun:
@@ -132,8 +137,6 @@ class Exporter:
         t0 = time.perf_counter()
         try:
             self._send(("finish", path, folder))
-            if figures is not None:
-                self.draw(figures)
             ok_begin, began = self._receive()
             ok, value = self._receive()
         finally:
@@ -145,7 +148,7 @@ class Exporter:
         return pt2, info
 
     def draw(self, figures: tuple) -> None:
-        """Ask for the end-of-run figures (`figures.draw_end`'s arguments but the folder: history, title, predictions,
+        """Ask a drawer for the end-of-run figures (`figures.draw_end`'s arguments but the folder: history, title, predictions,
         classes, curves); `figures_result` reads them."""
         path = os.path.join(self.dir, "figures.pkl")
         with open(path, "wb") as f:
@@ -164,8 +167,8 @@ class Exporter:
         return value
 
     def close(self) -> None:
-        """End the exporter and remove its files (safe to call twice). It holds nothing worth a clean exit:
-        killed, so that no run waits for a torch process to tear itself down (half a second on the H100 machine)."""
+        """End the exporter (or drawer) and remove its files (safe to call twice). It holds nothing worth a clean
+        exit: killed, so that no run waits for a torch process to tear itself down (half a second on the H100 machine)."""
         proc = getattr(self, "proc", None)
         if proc is not None and proc.poll() is None:
             proc.kill()
@@ -248,7 +251,7 @@ def _begin(path: str) -> dict[str, Any]:
 
 
 def _warm_figures() -> None:
-    """Import matplotlib and draw a tiny figure (fonts loaded) while the run trains."""
+    """Import matplotlib and draw a tiny figure (fonts loaded): the drawer's start, while the run sets up."""
     try:
         import io
 
@@ -299,14 +302,18 @@ def main() -> int:
     sys.stdout = sys.stderr
     requests = sys.stdin.buffer
     t0 = time.perf_counter()
-    import torch
+    draw_only = DRAW_ARG in sys.argv[1:]
+    if draw_only:  # ready for the end's figures long before the run ends; torch is never imported here
+        _warm_figures()
+    else:
+        import torch
 
-    torch.set_num_threads(1)
-    import torch.export._trace  # noqa: F401 - the import is most of an export's first second
+        torch.set_num_threads(1)
+        import torch.export._trace  # noqa: F401 - the import is most of an export's first second
 
-    from mpsrun.track.records import model_log  # noqa: F401
+        from mpsrun.track.records import model_log  # noqa: F401
 
-    print(f"exporter: imports done in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+    print(f"{'drawer' if draw_only else 'exporter'}: imports done in {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
     state: dict[str, Any] | None = None
     began_error = "the model was never handed over"
     folder = ""  # the training process's folder for this exporter: removed here if that process dies first
@@ -314,12 +321,14 @@ def main() -> int:
         try:
             msg = receive(requests)
         except EOFError:  # the training process ended; a killed one could not remove the model copy it wrote
-            if os.path.basename(folder).startswith("mpsrun-export-"):
+            if os.path.basename(folder).startswith(("mpsrun-export-", "mpsrun-draw-")):
                 shutil.rmtree(folder, ignore_errors=True)
             return 0
         folder = os.path.dirname(msg[1])
         try:
-            if msg[0] == "begin":
+            if draw_only and msg[0] != "figures":
+                send(reply, (False, f"a drawer does not {msg[0]}"))
+            elif msg[0] == "begin":
                 state = None
                 try:
                     state = _begin(msg[1])
@@ -328,7 +337,6 @@ def main() -> int:
                     send(reply, (False, began_error))
                 else:
                     send(reply, (True, {"export_s": state["export_s"]}))
-                _warm_figures()
             elif msg[0] == "finish":
                 if state is None:
                     send(reply, (False, began_error))
