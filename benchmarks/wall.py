@@ -108,7 +108,7 @@ def fashion_root(arg: str | None, work: Path) -> tuple[Path, str]:
     return root, "FashionMNIST-format synthetic data (gzip'd IDX, 60,000 / 10,000 images, `mpsrun.testing.idx`): the real files were absent"
 
 
-def commands(cuda: bool, helpers: bool, root: Path | None, export_end: bool = False) -> list[Cmd]:
+def commands(cuda: bool, helpers: bool, root: Path | None, export_end: bool = False, baseline_src: Path | None = None) -> list[Cmd]:
     digits = str(REPO / "recipes" / "digits_mlp.yaml")
     cmds = [
         Cmd("floor_cpu", "floor: `python -c` import torch + one Adam step (cpu)", [sys.executable, "-c", FLOOR.format(device="cpu")]),
@@ -132,6 +132,10 @@ def commands(cuda: bool, helpers: bool, root: Path | None, export_end: bool = Fa
         if export_end:  # the model exported in the training process after the last epoch, as before the exporter process
             cmds.append(Cmd("fashion_end", "the same, the model exported at the end (`MPSRUN_EXPORT_AHEAD=0`)", cmds[-1].argv,
                             {"MPSRUN_EXPORT_AHEAD": "0"}, baseline="floor_cuda"))
+        if baseline_src is not None:  # another commit's source tree first on the path: before and after in one call
+            path = os.pathsep.join([str(baseline_src), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
+            cmds.append(Cmd("fashion_base", f"the same, the source in `{baseline_src}` (the baseline commit)", cmds[-1 if not export_end else -2].argv,
+                            {"PYTHONPATH": path}, baseline="floor_cuda"))
     return cmds
 
 
@@ -202,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-only", action="store_true", help="only the CUDA floor and the fashion run (a GPU machine's short round)")
     ap.add_argument("--fashion-root", help="folder holding FashionMNIST/raw (default: synthetic data in a temp folder)")
     ap.add_argument("--export-end", action="store_true", help="also time the fashion run with MPSRUN_EXPORT_AHEAD=0 (no exporter process)")
+    ap.add_argument("--baseline-src", type=Path, help="also time the fashion run with this source folder (another commit's src/) first on PYTHONPATH")
     ap.add_argument("--fresh", action="store_true", help="each timed run in a new empty folder with a new MLflow store (a first-time user), not one shared store")
     ap.add_argument("--update-docs", action="store_true", help="put the table into docs/benchmarks.md's Start-up section")
     ap.add_argument("--provisional", action="store_true", help="mark the docs block provisional (a busy machine)")
@@ -220,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(f"fashion data: {how}")
         if a.fresh:
             notes.append("each timed run in a new empty folder that creates its own MLflow store (a first-time user)")
-        cmds = commands(cuda, a.helpers, root, a.export_end)
+        cmds = commands(cuda, a.helpers, root, a.export_end, a.baseline_src.resolve() if a.baseline_src else None)
         if a.cuda_only:
-            cmds = [c for c in cmds if c.key in ("floor_cuda", "fashion", "fashion_end")]
+            cmds = [c for c in cmds if c.key in ("floor_cuda", "fashion", "fashion_end", "fashion_base")]
         log_path = a.log or (a.out.with_suffix(".log") if a.out else work / "wall.log")
         with open(log_path, "w") as log:
             print(f"warm-up round (creates the MLflow store, fills OS caches); log: {log_path}", file=sys.stderr)

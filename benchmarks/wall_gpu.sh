@@ -14,6 +14,7 @@
 #   HELPERS= REPEATS=3 bash benchmarks/wall_gpu.sh   # shorter: no per-helper-mode rows, 3 rounds
 #   CUDA_ONLY=1 HELPERS= bash benchmarks/wall_gpu.sh  # shortest: the CUDA floor and the fashion run only
 #   EXPORT_END=1 ...                       # also the fashion run with MPSRUN_EXPORT_AHEAD=0 (no exporter process)
+#   BASELINE_SRC=/tmp/old/src ...          # also the fashion run from another commit's source (git archive COMMIT src)
 set -u
 OUT=${OUT:-wall-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 if [ "${SETUP:-1}" = 1 ]; then
@@ -23,5 +24,5 @@ fi
 export PYTHONUNBUFFERED=1 MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR=false
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1; nproc; uptime;
   python3 -c 'import torch, mlflow; print("torch", torch.__version__, "mlflow", mlflow.__version__)'; } | tee "$OUT/machine.txt"
-python3 benchmarks/wall.py --repeats "${REPEATS:-5}" ${HELPERS---helpers} ${CUDA_ONLY:+--cuda-only} ${EXPORT_END:+--export-end} ${FRESH:+--fresh} --out "$OUT/wall.md" --log "$OUT/wall.log" ${FASHION_ROOT:+--fashion-root "$FASHION_ROOT"}
+python3 benchmarks/wall.py --repeats "${REPEATS:-5}" ${HELPERS---helpers} ${CUDA_ONLY:+--cuda-only} ${EXPORT_END:+--export-end} ${FRESH:+--fresh} ${BASELINE_SRC:+--baseline-src "$BASELINE_SRC"} --out "$OUT/wall.md" --log "$OUT/wall.log" ${FASHION_ROOT:+--fashion-root "$FASHION_ROOT"}
 echo "exit code: $?" | tee -a "$OUT/machine.txt"

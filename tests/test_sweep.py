@@ -327,19 +327,6 @@ def test_a_trial_that_raises_before_training_is_a_failed_child_run_with_its_erro
     assert "mpsrun.error" in bad.data.tags
 
 
-def test_a_worker_imports_torch_dynamo_before_its_first_trial_in_a_fresh_process() -> None:
-    """torch's optimizers import torch._dynamo at their first step; a worker takes that import off its first trial
-    (a thread started with the worker, joined before the first ask). A fresh process: the suite's own has it loaded."""
-    code = ("import sys, torch\n"
-            "assert 'torch._dynamo' not in sys.modules\n"
-            "from mpsrun.sweep import worker\n"
-            "t = worker._warm_dynamo()\n"
-            "t.join(120)\n"
-            "print('loaded' if 'torch._dynamo' in sys.modules and not t.is_alive() else 'missing')\n")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0 and p.stdout.strip() == "loaded", p.stdout + p.stderr
-
-
 def _processes_naming(text: str) -> list[int]:
     out = []
     for pid in os.listdir("/proc"):

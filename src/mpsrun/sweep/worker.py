@@ -156,7 +156,11 @@ def work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, A
     (torch, mlflow and the data in each) left the GPU idle meanwhile. `on_end` is called after each trial.
     `tracker`: a helper started earlier (start_tracker); this worker closes it when it ends.
     """
-    warm = _warm_dynamo()
+    from mpsrun.train import warm as warming  # no torch at import
+
+    # torch's optimizers import torch._dynamo when built: every worker's first trial paid it (2.5 s on the
+    # 2-core machine, seconds more on the H100 one); on a thread it overlaps the study's and the data's load
+    warm = warming.dynamo()
     if tracker is None:
         tracker = start_tracker(resolved, job.tracking_uri)
     import torch
@@ -167,28 +171,6 @@ def work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, A
     finally:
         torch.set_num_threads(threads)  # a worker in a longer-lived process (tests, notebooks) gives them back
         tracker.close()
-
-
-def _warm_dynamo() -> Any:
-    """Import torch._dynamo on a thread while this worker loads its study and data.
-
-    Why: torch's optimizers import it on their first `step` (a graph break for torch.compile),
-    so every worker's first trial paid it: 2.5 s on the 2-core machine, seconds more on the H100
-    machine, inside the trial. Here it overlaps the worker's own start (the data's decompression and
-    the study's load leave the interpreter idle in parts). Nothing trains yet, so the thread costs
-    no step time (a thread importing during training slowed a run's epochs on the H100).
-    """
-    import threading
-
-    def imp() -> None:
-        try:
-            import torch._dynamo  # noqa: F401
-        except Exception:  # noqa: BLE001 - the first trial imports it again and meets the error there
-            pass
-
-    t = threading.Thread(target=imp, name="mpsrun-warm-dynamo", daemon=True)
-    t.start()
-    return t
 
 
 def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, Any], None] | None, ready: Callable[[], None] | None, tracker: Any,

@@ -38,6 +38,7 @@ from mpsrun.train.ranks import distributed
 from mpsrun.train.keep import final_eval
 from mpsrun.train.ranks import job_run
 from mpsrun.train import record
+from mpsrun.train import warm
 from mpsrun.train.controls import schedulers
 from mpsrun.train.loop import augment, shards
 from mpsrun.train.controls.callbacks import Callback, Callbacks, RunState  # noqa: F401 - Callbacks: public here
@@ -172,6 +173,8 @@ def prepare(resolved: Resolved, splits: DataSplits | None = None) -> Setup:
     worker builds it once for all its trials); the model's seed is set after it either way.
     """
     recipe = resolved.recipe
+    if (recipe.device == "auto" or recipe.device.startswith("cuda")) and torch.backends.cuda.is_built():
+        warm.dynamo()  # the optimizer's import of torch._dynamo, beside CUDA's start and the data's load
     try:
         choice = devices.resolve(recipe.device, recipe.device_fallback)
     except devices.DeviceUnavailable as e:
@@ -186,9 +189,7 @@ def prepare(resolved: Resolved, splits: DataSplits | None = None) -> Setup:
     else:
         devices.make_current(choice.device)
     if choice.device.type == "cuda":
-        from mpsrun.train.kernels import warm
-
-        warm.start()  # the fused kernels' first launch hashes Triton's library: on a thread, while data and model load
+        warm.triton_key()  # the fused kernels' first launch hashes Triton's library: on a thread, while data and model load
     seed_everything(recipe.seed)
     # a sweep worker's splits are shared by its trials: augment a copy (augment_data replaces its transform)
     splits = build_data(recipe, resolved) if splits is None else copy.copy(splits)

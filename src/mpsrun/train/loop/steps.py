@@ -247,9 +247,9 @@ class GraphTrainer(Trainer):
 
         The same order on every rank of a job (sorted keys): warm-up and capture hold collectives.
         """
-        from mpsrun.train.kernels import warm
+        from mpsrun.train import warm
 
-        warm.wait()  # Triton's cache key, hashed on a thread while the run prepared
+        warm.wait_triton()  # Triton's cache key, hashed on a thread while the run prepared
         for kind, batches in (("train", plan.train), ("val", plan.val)):
             assert isinstance(batches, ResidentBatches)
             (self.model.train if kind == "train" else self.model.eval)()

@@ -1,0 +1,70 @@
+"""Work a CUDA run would do on its training thread, started on threads while the run prepares.
+
+Both are paid once per process, and both mostly wait on something other than the interpreter, so
+beside the set-up's own waits (the CUDA context, the data's decompression, copies to the GPU) they
+cost the run little of what they cost on its path:
+
+- `dynamo()`: import torch._dynamo. torch's optimizers import it when they are built (their methods
+  are wrapped to be skipped by torch.compile): 4 to 6 s of the fashion run's set-up in a py-spy
+  profile on the H100 machine, the largest single step of its start. An import holds the
+  interpreter lock for its bytecode, so the thread gains only what the set-up leaves idle; the
+  optimizer's own import then waits for the thread's (one module lock), never imports twice.
+- `triton_key()`: the first Triton kernel a process launches computes `triton_key()`, a SHA-256 of
+  Triton's sources and of its 500 MB `libtriton.so`, even when every kernel comes from the on-disk
+  cache: 0.4 s of the fashion run's first epoch on the H100 machine. Reading the file and hashing it
+  release the interpreter lock. `wait_triton()` before the first kernel keeps the training thread
+  from computing it a second time beside the thread (Triton caches it with `functools.lru_cache`).
+
+Nothing here may run during training: a thread importing while the epochs ran slowed them on the
+H100 (the step's launches wait for the lock). Both are done before capture (`wait_triton`) and
+before the optimizer exists (its import waits for the thread's).
+"""
+
+from __future__ import annotations
+
+import threading
+
+_triton: threading.Thread | None = None
+_dynamo: threading.Thread | None = None
+
+
+def dynamo() -> threading.Thread:
+    """Import torch._dynamo on a thread (once per process); the thread, to join where its end matters."""
+    global _dynamo
+    if _dynamo is None:
+
+        def imp() -> None:
+            try:
+                import torch._dynamo  # noqa: F401
+            except Exception:  # noqa: BLE001 - the optimizer imports it again and meets the error there
+                pass
+
+        _dynamo = threading.Thread(target=imp, name="mpsrun-warm-dynamo", daemon=True)
+        _dynamo.start()
+    return _dynamo
+
+
+def triton_key() -> None:
+    """Begin computing Triton's cache key (once per process; nothing where Triton is not importable)."""
+    global _triton
+    if _triton is not None:
+        return
+
+    def work() -> None:
+        try:
+            try:
+                from triton.runtime.cache import triton_key as key
+            except ImportError:  # older Triton kept it beside the compiler
+                from triton.compiler.compiler import triton_key as key  # type: ignore[no-redef]
+            key()
+        except Exception:  # noqa: BLE001 - the first kernel computes it (or meets the error) as it would have
+            pass
+
+    _triton = threading.Thread(target=work, name="mpsrun-warm-triton", daemon=True)
+    _triton.start()
+
+
+def wait_triton() -> None:
+    """Until Triton's key is known (at once where `triton_key` was not called)."""
+    if _triton is not None:
+        _triton.join()

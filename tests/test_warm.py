@@ -1,0 +1,60 @@
+"""Work started on threads while a CUDA run prepares (train/warm.py): Triton's cache key, torch._dynamo's import.
+
+Real Triton (it ships with CUDA torch wheels; skipped where absent): the key is computed on the
+named thread and cached where the first kernel launch reads it."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_triton_key_is_hashed_on_a_thread_and_cached_for_the_first_kernel() -> None:
+    pytest.importorskip("triton")
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        from triton.compiler.compiler import triton_key  # type: ignore[no-redef]
+    from mpsrun.train import warm
+
+    triton_key.cache_clear()
+    warm._triton = None
+    warm.triton_key()
+    thread = warm._triton
+    assert thread is not None and thread.name == "mpsrun-warm-triton"
+    warm.triton_key()  # once per process
+    assert warm._triton is thread
+    warm.wait_triton()
+    assert not thread.is_alive() and triton_key.cache_info().currsize == 1
+    assert triton_key() and triton_key.cache_info().hits >= 1
+
+
+def test_a_cuda_recipe_imports_dynamo_on_a_thread_before_its_optimizer(work) -> None:  # type: ignore[no-untyped-def]
+    """A fresh interpreter (torch._dynamo not yet imported): preparing a recipe whose device may be CUDA
+    starts the import on the named thread, and the optimizer it builds finds the module imported there."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, threading, torch
+if not torch.backends.cuda.is_built():
+    print("no-cuda-build"); raise SystemExit
+from mpsrun.plugins import resolve
+from mpsrun.train import runner, warm
+assert "torch._dynamo" not in sys.modules
+seen = []
+real = warm.dynamo
+warm.dynamo = lambda: seen.append(real()) or seen[-1]
+runner.prepare(resolve(sys.argv[1], ["device=auto", "epochs=1"]))
+t = seen[0]
+assert t.name == "mpsrun-warm-dynamo" and not t.is_alive() and "torch._dynamo" in sys.modules
+runner.prepare(resolve(sys.argv[1], ["device=cpu", "epochs=1"]))  # an explicit CPU run starts none
+assert len(seen) == 1
+print("ok")
+"""
+    from .conftest import RECIPES
+
+    p = subprocess.run([sys.executable, "-c", code, str(RECIPES / "digits_mlp.yaml")], cwd=work.path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    if p.stdout.strip() == "no-cuda-build":
+        pytest.skip("torch without CUDA: no CUDA run, no warm-up thread")
+    assert p.stdout.strip() == "ok", p.stdout
