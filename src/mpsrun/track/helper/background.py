@@ -132,19 +132,8 @@ class BackgroundTracker:
         if export_ahead or draw_ahead:
             from mpsrun.track.helper import exporter
 
-            wanted, why = exporter.wanted(accelerator)  # the same rule: a process beside training, where cores are spare
-            if export_ahead:
-                self.export_why = why
-            if wanted and export_ahead:
-                try:
-                    self._exporter = exporter.Exporter()
-                except OSError as e:
-                    self.export_why = f"the exporter process did not start ({e})"
-            if wanted and draw_ahead:
-                try:
-                    self._drawer = exporter.Exporter(draw_only=True)
-                except OSError:  # the helper draws them, as without a drawer
-                    pass
+            self._exporter, self._drawer, why = exporter.start_ahead(export_ahead, draw_ahead, accelerator)
+            self.export_why = why if export_ahead else self.export_why
 
     # -- set-up
     def _warm(self) -> None:

@@ -97,6 +97,25 @@ def wanted(accelerator: bool = True) -> tuple[bool, str]:
                    f"start more than it saves at the end; {ENV}=1 forces it){bad}")
 
 
+def start_ahead(export: bool, draw: bool, accelerator: bool = True) -> tuple["Exporter | None", "Exporter | None", str]:
+    """(exporter, drawer, why) for a run that logs its model (`export`) and draws its figures (`draw`), where
+    `wanted` says a process beside the training pays; a process that cannot start is None (said in `why`
+    for the exporter; without a drawer the MLflow helper draws, as before)."""
+    wanted_, why = wanted(accelerator)
+    exporter = drawer = None
+    if wanted_ and export:
+        try:
+            exporter = Exporter()
+        except OSError as e:
+            why = f"the exporter process did not start ({e})"
+    if wanted_ and draw:
+        try:
+            drawer = Exporter(draw_only=True)
+        except OSError:
+            pass
+    return exporter, drawer, why
+
+
 class Exporter:
     """The training process's side: start the exporter, hand it the model twice, take the pt2 file.
 
