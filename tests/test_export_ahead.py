@@ -149,6 +149,43 @@ def test_a_run_whose_exporter_dies_logs_its_model_and_figures_and_says_so(work, 
     assert tags["mpsrun.model_uri"].endswith("/model") and "pickle" not in tags["mpsrun.notes"]  # exported (pt2) by the run itself
 
 
+@pytest.mark.parametrize("when", ["before", "while drawing"])
+def test_a_run_whose_drawer_dies_logs_every_figure(work, monkeypatch: pytest.MonkeyPatch, when: str) -> None:  # type: ignore[no-untyped-def]
+    """The drawer killed (SIGKILL) before the end asks for the figures, or once it has been asked: the
+    helper draws them all, the model is still exported ahead, and the run finishes with every figure."""
+    from mpsrun.plugins import resolve
+    from mpsrun.track.helper import background
+    from mpsrun.train import record, runner
+
+    from .conftest import RECIPES
+
+    monkeypatch.setenv(exporter.ENV, "1")
+    tracker = background.start(work.uri, "drawer dies", mode="inline", export_ahead=True, draw_ahead=True)
+    drawer = tracker._drawer
+    assert drawer is not None and tracker._exporter is not None
+    if when == "before":
+        drawer.proc.kill()
+        drawer.proc.wait()
+    else:
+        asked = exporter.Exporter.draw
+
+        def then_killed(self, figures):  # type: ignore[no-untyped-def]
+            asked(self, figures)
+            self.proc.kill()
+
+        monkeypatch.setattr(exporter.Exporter, "draw", then_killed)
+    runner.execute(runner.prepare(resolve(RECIPES / "digits_mlp.yaml", ["epochs=2", "device=cpu"])), work.uri, tracker=tracker)
+    assert drawer.proc.poll() is not None and not Path(drawer.dir).exists()
+    (run,) = work.runs("drawer dies")
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["mpsrun.model_export"].startswith("ahead: exported while training"), run.data.tags["mpsrun.model_export"]
+    c = work.client()
+    assert sorted(a.path for a in c.list_artifacts(run.info.run_id, "figures")) == [
+        "figures/confusion_matrix.png", "figures/learning_curves.png", "figures/per_class_accuracy.png"]
+    assert [a.path for a in c.list_artifacts(run.info.run_id, "tables")] == ["tables/per_class_accuracy.json"]
+    assert "figures:" not in run.data.tags["mpsrun.notes"], run.data.tags["mpsrun.notes"]
+
+
 def test_a_model_above_the_limit_is_not_handed_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from mpsrun.track.helper import background
 
