@@ -183,7 +183,9 @@ def test_a_run_whose_drawer_dies_logs_every_figure(work, monkeypatch: pytest.Mon
     assert sorted(a.path for a in c.list_artifacts(run.info.run_id, "figures")) == [
         "figures/confusion_matrix.png", "figures/learning_curves.png", "figures/per_class_accuracy.png"]
     assert [a.path for a in c.list_artifacts(run.info.run_id, "tables")] == ["tables/per_class_accuracy.json"]
-    assert "figures:" not in run.data.tags["mpsrun.notes"], run.data.tags["mpsrun.notes"]
+    said = {"before": "could not be asked: the drawer process ended", "while drawing": "could not serve: the drawer process ended"}[when]
+    assert f"figures: the drawer process {said}" in run.data.tags["mpsrun.notes"], run.data.tags["mpsrun.notes"]  # said, and so on screen
+    assert run.data.tags["mpsrun.figures"].startswith(f"drawn by the MLflow helper (the drawer process {said}"), run.data.tags["mpsrun.figures"]
 
 
 def test_a_model_above_the_limit_is_not_handed_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -253,7 +253,7 @@ tracking: {experiment: startup}
 VARIES = {"mpsrun.command", "mpsrun.owner", "mlflow.runName", "mpsrun.mlflow_helper", "mpsrun.pid", "mpsrun.pid_start", "mpsrun.heartbeat",
           "mpsrun.model_uri", "mpsrun.model_id", "mlflow.note.content", "mlflow.loggedModels"}
 ADDED_METRICS: set[str] = set()  # mpsrun's bookkeeping (mlflow_setup_wait_s among it) is in mpsrun_timings.json
-ADDED_TAGS = {"mpsrun.mlflow_helper", "mpsrun.model_export"}
+ADDED_TAGS = {"mpsrun.mlflow_helper", "mpsrun.model_export", "mpsrun.figures"}  # how the model was exported, the figures drawn
 
 
 def _record(work, run) -> dict:  # type: ignore[no-untyped-def]
@@ -331,6 +331,7 @@ def test_background_tracker_keeps_every_record(work, baseline, mode: str) -> Non
         text = (work.path / "helper_trace.txt").read_text()
         assert "torch imported: False" in text, text
         assert after["tags"]["mpsrun.model_export"].startswith("ahead: exported while training"), after["tags"]["mpsrun.model_export"]
+        assert after["tags"]["mpsrun.figures"] == "drawn by a drawer process beside the MLflow helper (the learning curves by the helper)"
         # the trained weights, not the untrained ones the export began with: the same answers as the in-process export
         import mlflow
 
@@ -338,13 +339,14 @@ def test_background_tracker_keeps_every_record(work, baseline, mode: str) -> Non
         ahead, here = (mlflow.pytorch.load_model(f"runs:/{r.info.run_id}/model") for r in (runs[1], runs[0]))
         x = torch.randint(0, 17, (9, 1, 8, 8), dtype=torch.uint8)
         assert torch.equal(ahead(x), here(x))
-        # the end figures, drawn by the exporter and logged by the helper: the same files as drawn in process
+        # the end figures, drawn by the drawer and logged by the helper: the same files as drawn in process
         c = work.client()
         assert [[(a.path, a.file_size > 1000) for a in c.list_artifacts(r.info.run_id, d)] for r in (runs[1], runs[0]) for d in ("figures", "tables")] == \
             [[("figures/confusion_matrix.png", True), ("figures/learning_curves.png", True), ("figures/per_class_accuracy.png", True)],
              [("tables/per_class_accuracy.json", False)]] * 2
     else:
         assert after["tags"]["mpsrun.model_export"] == "at the end of the run (MPSRUN_EXPORT_AHEAD=0)"
+        assert after["tags"]["mpsrun.figures"] == "drawn by the MLflow helper (MPSRUN_EXPORT_AHEAD=0)"
     # the same training: the data, split and weights did not change with the readers
     assert after["metrics"]["val_accuracy"] == before["metrics"]["val_accuracy"]
     c = work.client()

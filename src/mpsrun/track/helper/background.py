@@ -124,16 +124,15 @@ class BackgroundTracker:
         self._exporter: Any = None
         self._drawer: Any = None  # the drawer process (track/helper/exporter.py), until the end figures are asked for
         self._export_asked = export_ahead  # `mpsrun run` (tagged mpsrun.model_export), not a sweep's worker
-        self._figures_args: tuple | None = None  # the end figures' arguments, while the drawer draws
-        self._drawing: Any = None  # the drawer drawing them
-        self._curves: Any = None  # the helper's answer for the learning curves it draws meanwhile
+        self._drawing: Any = None  # the drawer once the end figures are asked for
         self._artifact_uri: str | None = None  # the run's, read once at `start`
         self.export_why = "" if export_ahead else "no exporter process: `mpsrun run` starts one"
+        self.draw_why = "" if draw_ahead else "no drawer process: `mpsrun run` starts one"  # where there is none: why
         if export_ahead or draw_ahead:
             from mpsrun.track.helper import exporter
 
-            self._exporter, self._drawer, why = exporter.start_ahead(export_ahead, draw_ahead, accelerator)
-            self.export_why = why if export_ahead else self.export_why
+            self._exporter, self._drawer, export_why, draw_why = exporter.start_ahead(export_ahead, draw_ahead, accelerator)
+            self.export_why, self.draw_why = export_why or self.export_why, draw_why or self.draw_why
 
     # -- set-up
     def _warm(self) -> None:
@@ -265,20 +264,17 @@ class BackgroundTracker:
     def hook_later(self, name: str, *args: Any) -> Callable[[], Any]:
         """A record hook started now, its answer read when asked for (the helper draws while this process exports).
 
-        With a drawer process, the end-of-run figures start at once: the drawer draws the prediction
-        figures while the helper draws the learning curves, then writes the model (`_log_model_ahead`)."""
-        if name == "end_figures" and self._drawer is not None:
-            from mpsrun.track.helper.exporter import ExportAheadFailed
+        The end-of-run figures: by the drawer process where there is one (track/helper/drawing.py)."""
+        if name == "end_figures":
+            from mpsrun.track.helper import drawing
 
             drawer, self._drawer = self._drawer, None
-            try:
-                drawer.draw((*args, False))  # all but the learning curves
-            except ExportAheadFailed:  # the drawer is gone: the helper draws them all, as without one
-                drawer.close()
-            else:
-                self._figures_args, self._drawing = args, drawer
-                self._curves = self.hook_later("curves", args[0], args[1])
-                return self._figures_answer
+            self._drawing = drawer  # closed with the run, whatever happens to the figures
+            return drawing.start(self, drawer, self.draw_why, args)
+        return self.later(name, *args)
+
+    def later(self, name: str, *args: Any) -> Callable[[], Any]:
+        """`hook_later` in the helper as it is, whatever the hook."""
         if self._remote is not None:
             try:
                 p = self._remote.post("hook", name, *args)
@@ -353,27 +349,6 @@ class BackgroundTracker:
             how = f"again at the end in the exporter process ({info['why']}; waited {exporter.waited_s:.2f} s)"
         self.set_tags({"mpsrun.model_export": how})
         return out
-
-    def _figures_answer(self) -> list[str]:
-        """The end-of-run figures' notes: drawn by the drawer and logged by the helper, else drawn by the helper."""
-        from mpsrun.track.helper.exporter import ExportAheadFailed
-
-        args, self._figures_args = self._figures_args, None
-        drawer, self._drawing = self._drawing, None
-        curves, self._curves = self._curves, None
-        if drawer is not None:
-            notes: list[str] = []
-            try:  # drawn and logged by the helper meanwhile
-                curves() if curves is not None else self._hook_here("curves", *args[:2])  # type: ignore[index]
-            except Exception as e:  # noqa: BLE001
-                notes.append(f"figures: learning curves not logged ({type(e).__name__}: {e})")
-            try:
-                return notes + self._hook_here("log_drawn", drawer.figures_result())
-            except ExportAheadFailed:
-                pass  # drawn by the helper below, as without a drawer
-            finally:
-                drawer.close()
-        return self._hook_here("end_figures", *args) if args is not None else []
 
     def hook(self, name: str, *args: Any) -> Any:
         """A record hook (`track.hooks`): in the helper, a model handed over as a file (torch.save)."""

@@ -97,12 +97,13 @@ def wanted(accelerator: bool = True) -> tuple[bool, str]:
                    f"start more than it saves at the end; {ENV}=1 forces it){bad}")
 
 
-def start_ahead(export: bool, draw: bool, accelerator: bool = True) -> tuple["Exporter | None", "Exporter | None", str]:
-    """(exporter, drawer, why) for a run that logs its model (`export`) and draws its figures (`draw`), where
-    `wanted` says a process beside the training pays; a process that cannot start is None (said in `why`
-    for the exporter; without a drawer the MLflow helper draws, as before)."""
+def start_ahead(export: bool, draw: bool, accelerator: bool = True) -> tuple["Exporter | None", "Exporter | None", str, str]:
+    """(exporter, drawer, why, why not drawer) for a run that logs its model (`export`) and draws its figures
+    (`draw`), where `wanted` says a process beside the training pays. The reasons are tagged on the run
+    (`mpsrun.model_export`, `mpsrun.figures`); the drawer's is empty where it started."""
     wanted_, why = wanted(accelerator)
     exporter = drawer = None
+    draw_why = "" if wanted_ else why
     if wanted_ and export:
         try:
             exporter = Exporter()
@@ -111,9 +112,9 @@ def start_ahead(export: bool, draw: bool, accelerator: bool = True) -> tuple["Ex
     if wanted_ and draw:
         try:
             drawer = Exporter(draw_only=True)
-        except OSError:
-            pass
-    return exporter, drawer, why
+        except OSError as e:
+            draw_why = f"the drawer process did not start ({e})"
+    return exporter, drawer, why, draw_why
 
 
 class Exporter:
@@ -126,6 +127,7 @@ class Exporter:
         self.dir = tempfile.mkdtemp(prefix="mpsrun-draw-" if draw_only else "mpsrun-export-")
         self.log = os.path.join(self.dir, "exporter.log")
         self.begun = False
+        self.role = "drawer" if draw_only else "exporter"  # in what its failures say
         self.drawing = False  # figures asked for, answer not read
         self.waited_s = 0.0
         with open(self.log, "wb") as err:
@@ -203,7 +205,7 @@ class Exporter:
         try:
             send(self.proc.stdin, msg)  # type: ignore[arg-type]
         except (BrokenPipeError, OSError) as e:
-            raise ExportAheadFailed(f"the exporter process ended ({self._last_words() or e})") from None
+            raise ExportAheadFailed(f"the {self.role} process ended ({self._last_words() or e})") from None
 
     def _receive(self) -> Any:
         deadline = time.monotonic() + float(os.environ.get(WAIT_ENV, "300"))
@@ -219,7 +221,7 @@ class Exporter:
             return decode(lambda n: read_exact(fd, n, stalled))
         except (EOFError, OSError) as e:
             code = self.proc.poll()
-            raise ExportAheadFailed(f"the exporter process ended (exit {code}): {self._last_words() or e}") from None
+            raise ExportAheadFailed(f"the {self.role} process ended (exit {code}): {self._last_words() or e}") from None
 
     def _last_words(self) -> str:
         try:
