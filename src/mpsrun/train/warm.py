@@ -12,12 +12,12 @@ cost the run little of what they cost on its path:
 - `triton_key()`: the first Triton kernel a process launches computes `triton_key()`, a SHA-256 of
   Triton's sources and of its 500 MB `libtriton.so`, even when every kernel comes from the on-disk
   cache: 0.4 s of the fashion run's first epoch on the H100 machine. Reading the file and hashing it
-  release the interpreter lock. `wait_triton()` before the first kernel keeps the training thread
-  from computing it a second time beside the thread (Triton caches it with `functools.lru_cache`).
+  release the interpreter lock. `wait_triton()` as training starts keeps the training thread from
+  computing it a second time beside the thread (Triton caches it with `functools.lru_cache`).
 
 Nothing here may run during training: a thread importing while the epochs ran slowed them on the
-H100 (the step's launches wait for the lock). Both are done before capture (`wait_triton`) and
-before the optimizer exists (its import waits for the thread's).
+H100 (the step's launches wait for the lock). Both are done before the first step: the optimizer's
+import waits for the thread's, and training begins with `wait_triton()`.
 """
 
 from __future__ import annotations

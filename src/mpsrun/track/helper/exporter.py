@@ -128,7 +128,6 @@ class Exporter:
         self.log = os.path.join(self.dir, "exporter.log")
         self.begun = False
         self.role = "drawer" if draw_only else "exporter"  # in what its failures say
-        self.drawing = False  # figures asked for, answer not read
         self.waited_s = 0.0
         with open(self.log, "wb") as err:
             # Own session: a Ctrl-C at the terminal is the training process's to handle; an exporter
@@ -177,11 +176,9 @@ class Exporter:
         folder = os.path.join(self.dir, "figures")
         os.makedirs(folder, exist_ok=True)
         self._send(("figures", path, folder))
-        self.drawing = True
 
     def figures_result(self) -> dict[str, Any]:
         """What `draw` asked for: `figures.draw_end`'s answer (files under this exporter's folder until `close`)."""
-        self.drawing = False
         ok, value = self._receive()
         if not ok:
             raise ExportAheadFailed(value)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from mpsrun.devices import resolve as devices
+from mpsrun.train import warm
 from mpsrun.train.controls.callbacks import Callback, RunState
 from mpsrun.train.loop.data import BatchPlan, ResidentBatches
 from mpsrun.train.loop.events import EpochMetrics, Listener, Listeners, TrainResult
@@ -48,6 +49,7 @@ def train(
     Callbacks run between epochs (after the listener has the epoch's metrics) and
     may end the run early through `state.request_stop`.
     """
+    warm.wait_triton()  # Triton's cache key, hashed on a thread while the run prepared: done before any step
     trainer: Trainer = (GraphTrainer if options.graphs else Trainer)(model, optimizer, device, options, plan.transform, objective, plan.train_transform)
     listener.on_start(epochs, len(plan.train), len(plan.val))
     callbacks = callbacks or Callback()

@@ -247,9 +247,6 @@ class GraphTrainer(Trainer):
 
         The same order on every rank of a job (sorted keys): warm-up and capture hold collectives.
         """
-        from mpsrun.train import warm
-
-        warm.wait_triton()  # Triton's cache key, hashed on a thread while the run prepared
         for kind, batches in (("train", plan.train), ("val", plan.val)):
             assert isinstance(batches, ResidentBatches)
             (self.model.train if kind == "train" else self.model.eval)()
