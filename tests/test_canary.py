@@ -81,6 +81,51 @@ def test_canary_off_skips(work, self_check) -> None:
     assert tags["canary.status"] == "off" and "canary.ops" not in tags
 
 
+@pytest.fixture
+def import_under_way(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """What a CUDA run's set-up meets: the thread importing torch._dynamo for the optimizer still busy
+    (here a thread that waits until the test ends, so the timing cannot decide which path is taken)."""
+    import threading
+
+    from mpsrun.train import warm
+
+    done = threading.Event()
+    t = threading.Thread(target=done.wait, name="mpsrun-warm-dynamo", daemon=True)
+    t.start()
+    monkeypatch.setattr(warm, "_dynamo", t)
+    yield t
+    done.set()
+
+
+def test_canary_runs_in_the_optimizers_import_wait_and_says_so(work, self_check, import_under_way) -> None:
+    r = work.cli("run", DIGITS, "epochs=1", "device=auto", "-q")
+    assert r.exit_code == 0, r.output
+    tags = work.runs("digits_mlp")[0].data.tags
+    assert tags["canary.status"] == "passed" and tags["canary.when"].startswith("during set-up")
+    assert set(tags["canary.ops"].split(",")) == set(canary.CHECKS) | {"model_forward"}
+
+
+def test_a_canary_failure_found_during_set_up_still_fails_the_run_before_training(work, self_check, import_under_way) -> None:
+    self_check.setitem(canary.PERTURB, "model_forward", _wrong)
+    r = work.cli("run", DIGITS, "epochs=1", "device=auto", "-q")
+    assert r.exit_code == 1, r.output
+    assert "model_forward" in r.stderr and "canary: warn" in r.stderr
+    run = work.runs("digits_mlp")[0]
+    assert run.info.status == "FAILED" and run.data.tags["canary.status"] == "failed"
+    assert run.data.tags["canary.when"].startswith("during set-up") and "canary.op.model_forward" in run.data.tags
+    assert not work.history(run.info.run_id, "train_loss")
+
+
+def test_without_a_pending_import_the_canary_runs_just_before_training(work, self_check, monkeypatch) -> None:
+    from mpsrun.train import warm
+
+    monkeypatch.setattr(warm, "dynamo_pending", lambda: False)
+    r = work.cli("run", DIGITS, "epochs=1", "device=auto", "-q")
+    assert r.exit_code == 0, r.output
+    tags = work.runs("digits_mlp")[0].data.tags
+    assert tags["canary.status"] == "passed" and "canary.when" not in tags
+
+
 def test_recipe_canary_words(work) -> None:
     """YAML 1.1 reads bare on/off as booleans; the recipe still means the words."""
     text = DIGITS.read_text() + "canary: off\n"
@@ -190,3 +235,13 @@ def test_a_sweep_worker_checks_the_fixed_operations_once_and_the_model_every_tim
     monkeypatch.setitem(canary.PERTURB, name, _wrong)
     third = canary.run(cpu, "on", model, probe)
     assert third.status == "failed" and name in calls and [r.name for r in third.failures] == [name]
+
+
+def test_a_slow_canary_is_flagged_only_where_it_was_on_the_runs_path() -> None:
+    """Beside the torch._dynamo import the canary's wall time includes waits for the import's lock (seconds on
+    the H100 machine), all inside a wait the run has anyway: not the run's cost, so no `canary.slow`."""
+    ok = [canary.OpResult("argmax", True)]
+    on_path = canary.Report("passed", "on", "cuda:0", 3.0, ok).tags()
+    beside = canary.Report("passed", "on", "cuda:0", 3.0, ok, when="during set-up, while torch._dynamo was imported on a thread").tags()
+    assert "canary.slow" in on_path and "canary.when" not in on_path
+    assert "canary.slow" not in beside and beside["canary.when"].startswith("during set-up") and beside["canary.time_s"] == "3.0000"

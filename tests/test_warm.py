@@ -58,3 +58,31 @@ print("ok")
     if p.stdout.strip() == "no-cuda-build":
         pytest.skip("torch without CUDA: no CUDA run, no warm-up thread")
     assert p.stdout.strip() == "ok", p.stdout
+
+
+def test_the_run_end_drops_dynamos_compile_table_only_where_its_log_would_not_show() -> None:
+    """`mpsrun run` ends with os._exit after the exit handlers (cli._end); torch._dynamo's table of
+    compile times is built there only to be logged at INFO, hidden unless torch's logs are on.
+    A fresh interpreter: the exit handlers really run."""
+    import subprocess
+    import sys
+
+    code = """
+import atexit, logging
+import torch._dynamo.utils as utils
+from mpsrun import cli
+built = []
+utils.compile_times = lambda *a, **k: built.append(1) or ""  # what dump_compile_times calls to build the table
+utils.log.setLevel(logging.INFO)  # as TORCH_LOGS would: the table is shown, so it is built
+cli._drop_silent_exit_work(atexit)
+atexit._run_exitfuncs()
+shown = len(built)
+atexit.register(utils.dump_compile_times)  # run_exitfuncs cleared it
+utils.log.setLevel(logging.WARNING)  # the default: nothing shown, nothing built
+cli._drop_silent_exit_work(atexit)
+atexit._run_exitfuncs()
+print(shown, len(built))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["1", "1"], p.stdout

@@ -222,6 +222,16 @@ def prepare(resolved: Resolved, splits: DataSplits | None = None) -> Setup:
     model = model.to(device)
     if options.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    early = None
+    if warm.dynamo_pending() and canary.applies(device) and recipe.canary != "off":
+        # The optimizer's constructor imports torch._dynamo, which the thread started above is still
+        # importing: the main thread would only wait (seconds, on the H100 machine). The canary's
+        # device work releases the interpreter lock, so it runs here, in that wait, rather than on the
+        # run's path; `execute` records its report and stops the run on a failure as before. Its own
+        # time then includes waits for the lock the import holds (2.5-4 s on the H100 machine, all of
+        # it inside the import's): no budget note for it, the tag canary.when says where it ran.
+        early = canary.check(recipe.canary, device, model, splits, options.channels_last)
+        early.when = "during set-up, while torch._dynamo was imported on a thread"
     model = distributed.wrap(model, device, options.graphs)  # DDP (or graph_sync under graphs) when one of several ranks
     optimizer = build_optimizer(recipe, model, options.graphs)
     try:
@@ -232,7 +242,7 @@ def prepare(resolved: Resolved, splits: DataSplits | None = None) -> Setup:
     if options.compile:
         model = _compile(model, options)
     return Setup(resolved, choice, splits, model, optimizer, plan, options, notes, list(ctl.callbacks), ctl.objective, ctl.extras,
-                 aug.params if aug is not None else {})
+                 aug.params if aug is not None else {}, canary=early)
 
 
 def augment_data(recipe: Recipe, splits: DataSplits) -> augment.Augmentation | None:

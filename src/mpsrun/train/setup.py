@@ -7,6 +7,7 @@ canary) can read a `Setup` without importing the runner that calls them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,3 +53,4 @@ class Setup:
     objective: Objective | None = None  # loss, metrics, clipping, accumulation (train/assemble.py)
     extras: dict = field(default_factory=dict)  # RunState.extras: the scheduler, ... (checkpoints carry them)
     params: dict = field(default_factory=dict)  # params beyond the recipe's (the augmentations as built)
+    canary: Any = None  # devices.canary.Report when set-up ran the canary (runner.prepare says when); `guard` records it

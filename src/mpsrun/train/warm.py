@@ -9,6 +9,8 @@ cost the run little of what they cost on its path:
   profile on the H100 machine, the largest single step of its start. An import holds the
   interpreter lock for its bytecode, so the thread gains only what the set-up leaves idle; the
   optimizer's own import then waits for the thread's (one module lock), never imports twice.
+  While it is still under way when the model is on the GPU (`dynamo_pending()`), the main thread
+  has seconds in which it would only wait: the runner runs the canary there (runner.prepare).
 - `triton_key()`: the first Triton kernel a process launches computes `triton_key()`, a SHA-256 of
   Triton's sources and of its 500 MB `libtriton.so`, even when every kernel comes from the on-disk
   cache: 0.4 s of the fashion run's first epoch on the H100 machine. Reading the file and hashing it
@@ -42,6 +44,11 @@ def dynamo() -> threading.Thread:
         _dynamo = threading.Thread(target=imp, name="mpsrun-warm-dynamo", daemon=True)
         _dynamo.start()
     return _dynamo
+
+
+def dynamo_pending() -> bool:
+    """Whether the import of torch._dynamo started by `dynamo()` is still under way (the optimizer would wait)."""
+    return _dynamo is not None and _dynamo.is_alive()
 
 
 def triton_key() -> None:
