@@ -86,3 +86,43 @@ print(shown, len(built))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.split() == ["1", "1"], p.stdout
+
+
+def test_gpu_a_cuda_run_loads_its_fused_kernels_and_runs_its_canary_while_the_optimizer_waits(work) -> None:  # type: ignore[no-untyped-def]
+    """On a CUDA GPU (skipped elsewhere), a fresh interpreter whose torch._dynamo import is still under way
+    (a thread that waits, standing in for it): set-up runs the canary and the fused layers' check, with
+    their kernels' first launches, before the optimizer is built; the capture's own check then finds
+    the kernels loaded."""
+    import subprocess
+    import sys
+
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    code = """
+import sys, threading
+from mpsrun.plugins import resolve
+from mpsrun.train import runner, warm
+from mpsrun.train.kernels import fused_linear
+done = threading.Event()
+warm._dynamo = threading.Thread(target=done.wait, daemon=True)
+warm._dynamo.start()
+order = []
+check = fused_linear.Planned.check
+fused_linear.Planned.check = lambda self, rows, **k: order.append(("check", rows, len(fused_linear._kernels))) or check(self, rows, **k)
+build = runner.build_optimizer
+runner.build_optimizer = lambda *a: order.append(("optimizer",)) or build(*a)
+setup = runner.prepare(resolve(sys.argv[1], ["device=cuda", "epochs=1"]))
+done.set()
+assert setup.canary is not None and setup.canary.status == "passed" and setup.canary.when, setup.canary
+assert setup.options.fused_linear, setup.notes
+assert order[0] == ("check", 32, 0) and order[1] == ("optimizer",), order
+assert fused_linear._kernels, "the kernels were built in set-up"
+print("ok")
+"""
+    from .conftest import RECIPES
+
+    p = subprocess.run([sys.executable, "-c", code, str(RECIPES / "digits_mlp.yaml")], cwd=work.path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip() == "ok", p.stdout

@@ -208,8 +208,8 @@ def _check_monitor(where: str, name: str, objective: Objective) -> None:
         raise ControlError(f"{where}: '{name}' is not a metric of this run{did_you_mean(name, names)}; available: {', '.join(names)}")
 
 
-def _fuse_layers(model: nn.Module, device: torch.device, options: Options, batch_size: int) -> str:
-    """Turn on the fused Linear (+ ReLU) kernels where they apply; the note says why not where a user would expect them."""
+def layers_why_not(model: nn.Module, device: torch.device, options: Options, batch_size: int) -> Optional[str]:
+    """None where the run's Linear (+ ReLU) layers will be the fused kernels; else why not ("" where there is nothing to say)."""
     if device.type != "cuda":
         return ""
     from mpsrun.train.kernels import fused_linear
@@ -217,6 +217,12 @@ def _fuse_layers(model: nn.Module, device: torch.device, options: Options, batch
     why = fused_linear.why_not(model, device, options.precision, options.graphs, options.compile, batch_size)
     if why is None and os.environ.get("MPSRUN_FUSED_LINEAR", "1").strip().lower() in ("0", "false", "no", "off"):
         why = "MPSRUN_FUSED_LINEAR=0"
+    return why
+
+
+def _fuse_layers(model: nn.Module, device: torch.device, options: Options, batch_size: int) -> str:
+    """Turn on the fused Linear (+ ReLU) kernels where they apply; the note says why not where a user would expect them."""
+    why = layers_why_not(model, device, options, batch_size)
     if why is None:
         options.fused_linear = True
         return ""

@@ -232,6 +232,8 @@ def prepare(resolved: Resolved, splits: DataSplits | None = None) -> Setup:
         # it inside the import's): no budget note for it, the tag canary.when says where it ran.
         early = canary.check(recipe.canary, device, model, splits, options.channels_last)
         early.when = "during set-up, while torch._dynamo was imported on a thread"
+    if job is None and warm.dynamo_pending() and controls.layers_why_not(model, device, options, recipe.batch_size) is None:
+        warm.fused_layers(model, recipe.batch_size)  # the same wait: the fused kernels' first launches, off the first epoch
     model = distributed.wrap(model, device, options.graphs)  # DDP (or graph_sync under graphs) when one of several ranks
     optimizer = build_optimizer(recipe, model, options.graphs)
     try:

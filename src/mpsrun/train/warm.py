@@ -25,6 +25,7 @@ import waits for the thread's, and training begins with `wait_triton()`.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 _triton: threading.Thread | None = None
 _dynamo: threading.Thread | None = None
@@ -75,3 +76,20 @@ def wait_triton() -> None:
     """Until Triton's key is known (at once where `triton_key` was not called)."""
     if _triton is not None:
         _triton.join()
+
+
+def fused_layers(model: Any, batch_size: int) -> None:
+    """Load the fused layers' Triton kernels now: a throw-away run of the check the capture makes first
+    (`fused_linear.Planned.check`: copies of the weights, a private generator, nothing of the run's
+    state touched). The first launch of each kernel reads it from Triton's cache and loads it on the
+    GPU, 0.2-0.3 s of the fashion run's first epoch in a py-spy profile on the H100 machine; the
+    runner calls this where the main thread would otherwise wait for torch._dynamo's import. A
+    failure here is left to the capture's own check, which meets it again and says so.
+    """
+    wait_triton()  # the first launch computes Triton's key: once, on its thread
+    from mpsrun.train.kernels import fused_linear
+
+    try:
+        fused_linear.plan(model).check(batch_size)
+    except Exception:  # noqa: BLE001 - see above
+        pass
