@@ -31,7 +31,7 @@ def _wrong(outs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
 
 
 def test_cpu_run_records_canary_skipped(work) -> None:
-    r = work.cli("run", DIGITS, "epochs=1", "-q")
+    r = work.cli("run", DIGITS, "epochs=1", "device=cpu", "-q")  # `auto` would take a GPU where there is one
     assert r.exit_code == 0, r.output
     tags = work.runs("digits_mlp")[0].data.tags
     assert tags["canary.status"] == "skipped (cpu)" and tags["canary.mode"] == "on"
