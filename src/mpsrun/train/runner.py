@@ -222,18 +222,7 @@ def prepare(resolved: Resolved, splits: DataSplits | None = None) -> Setup:
     model = model.to(device)
     if options.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    early = None
-    if warm.dynamo_pending() and canary.applies(device) and recipe.canary != "off":
-        # The optimizer's constructor imports torch._dynamo, which the thread started above is still
-        # importing: the main thread would only wait (seconds, on the H100 machine). The canary's
-        # device work releases the interpreter lock, so it runs here, in that wait, rather than on the
-        # run's path; `execute` records its report and stops the run on a failure as before. Its own
-        # time then includes waits for the lock the import holds (2.5-4 s on the H100 machine, all of
-        # it inside the import's): no budget note for it, the tag canary.when says where it ran.
-        early = canary.check(recipe.canary, device, model, splits, options.channels_last)
-        early.when = "during set-up, while torch._dynamo was imported on a thread"
-    if job is None and warm.dynamo_pending() and controls.layers_why_not(model, device, options, recipe.batch_size) is None:
-        warm.fused_layers(model, recipe.batch_size)  # the same wait: the fused kernels' first launches, off the first epoch
+    early = warm.in_the_wait(recipe, device, model, splits, options) if job is None else None  # the canary, the kernels
     model = distributed.wrap(model, device, options.graphs)  # DDP (or graph_sync under graphs) when one of several ranks
     optimizer = build_optimizer(recipe, model, options.graphs)
     try:

@@ -93,3 +93,26 @@ def fused_layers(model: Any, batch_size: int) -> None:
         fused_linear.plan(model).check(batch_size)
     except Exception:  # noqa: BLE001 - see above
         pass
+
+
+def in_the_wait(recipe: Any, device: Any, model: Any, splits: Any, options: Any) -> Any:
+    """What set-up does while the optimizer's constructor would wait for `dynamo()`'s import (nothing
+    where it is done): the canary's report, or None where it did not run here.
+
+    The optimizer imports torch._dynamo, which the thread is still importing: the main thread would only
+    wait (seconds, on the H100 machine). The canary's device work releases the interpreter lock, so it
+    runs here rather than on the run's path; `execute` records its report and stops the run on a
+    failure as before. Its own time then includes waits for the lock the import holds (2.4-3.5 s on the
+    H100 machine, all inside the import's): no budget note for it, the tag canary.when says where it
+    ran. Then the fused layers' first launches (`fused_layers`), off the first epoch.
+    """
+    from mpsrun.devices import canary
+    from mpsrun.train import assemble
+
+    early = None
+    if dynamo_pending() and canary.applies(device) and recipe.canary != "off":
+        early = canary.check(recipe.canary, device, model, splits, options.channels_last)
+        early.when = "during set-up, while torch._dynamo was imported on a thread"
+    if dynamo_pending() and assemble.layers_why_not(model, device, options, recipe.batch_size) is None:
+        fused_layers(model, recipe.batch_size)
+    return early
