@@ -10,7 +10,8 @@ cost the run little of what they cost on its path:
   interpreter lock for its bytecode, so the thread gains only what the set-up leaves idle; the
   optimizer's own import then waits for the thread's (one module lock), never imports twice.
   While it is still under way when the model is on the GPU (`dynamo_pending()`), the main thread
-  has seconds in which it would only wait: the runner runs the canary there (runner.prepare).
+  has seconds in which it would only wait: `in_the_wait()` runs the canary and the fused layers'
+  first launches there (called by runner.prepare).
 - `triton_key()`: the first Triton kernel a process launches computes `triton_key()`, a SHA-256 of
   Triton's sources and of its 500 MB `libtriton.so`, even when every kernel comes from the on-disk
   cache: 0.4 s of the fashion run's first epoch on the H100 machine. Reading the file and hashing it
