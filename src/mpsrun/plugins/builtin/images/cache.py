@@ -27,7 +27,7 @@ import numpy as np
 from mpsrun.plugins import nvidia
 from mpsrun.plugins.builtin.images import decode, gpu_decode
 
-VERSION = 1  # bump when the decoded pixels would differ (resize rule, alpha handling)
+VERSION = 2  # bump when the decoded pixels would differ (resize rule, alpha handling; 2: EXIF orientation, 16-bit gray scaled)
 STATS_SAMPLE = 512  # images read (on a pixel grid) to compute the per-channel mean and std
 
 

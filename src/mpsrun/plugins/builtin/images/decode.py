@@ -13,16 +13,19 @@ first moment, the GPU takes batches from the back once it is ready, and they sto
 they meet: neither waits for the other, and no file is decoded twice. Workers are forked
 (no re-import; they only run PIL and numpy) before anything starts CUDA in this process.
 
-Each image is resized so it covers the target (h, w) and centre-cropped: the shorter
-side becomes the target's for `size: 224`. JPEGs use PIL's draft mode (the decoder
+Each image is turned upright as a photo viewer shows it (EXIF orientation), then resized so it
+covers the target (h, w) and centre-cropped: the shorter side becomes the target's for `size: 224`.
+Every file PIL can decode is read, whatever its size (1x1, 2x3000), mode or format; only a file
+that cannot be decoded fails (`_decoded`). JPEGs use PIL's draft mode (the decoder
 scales by 1/2, 1/4 or 1/8 in the DCT, never below the target), which makes large photos
 several times cheaper; a file already at the target size is not resampled. A transparent
-image (PNG with alpha, palette transparency) is put on white before dropping alpha; mode
-`gray` is PIL's luminance.
+image (PNG with alpha, palette transparency) is put on white before dropping alpha; 16-bit gray
+is scaled to 8 bits; mode `gray` is PIL's luminance.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import multiprocessing as mp
 import os
@@ -35,27 +38,70 @@ import numpy as np
 MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python's mmap module does not name it
 PAGE = mmap.PAGESIZE
 ENV_STORE = "MPSRUN_DECODE_STORE"  # 'map': store through a shared map instead of one pwritev an image
+ORIENTATION = 0x0112  # the EXIF tag
+WIDE_GRAY = ("I;16", "I;16L", "I;16B", "I;16N", "I")  # 16-bit gray PNGs open as I;16
 CHUNK = 32  # files per claim of a PIL worker: small enough for a live progress bar and an even finish
 
 
 def _decoded(path: str, h: int, w: int, gray: bool):  # type: ignore[no-untyped-def]
-    """The PIL image of one file, at (w, h) in mode L or RGB; raises on a corrupt or truncated file."""
+    """The PIL image of one file, at (w, h) in mode L or RGB, upright as a photo viewer shows it; raises on a
+    corrupt or truncated file (and only then: any size, mode or EXIF of a file PIL can decode comes out)."""
     from PIL import Image
 
     with Image.open(path) as im:
-        w0, h0 = im.size
-        s = max(w / w0, h / h0)
         if im.format == "JPEG":
-            im.draft("L" if gray else "RGB", (max(1, int(w0 * s + 0.999)), max(1, int(h0 * s + 0.999))))
-            s = max(w / im.size[0], h / im.size[1])  # the draft may already have scaled it
+            _draft(im, h, w, gray)
         im.load()  # decode now: a truncated file raises here, not later
-        im = _mode(im, gray)
-        w0, h0 = im.size
-        if (w0, h0) == (w, h):  # already the target: no resampling (PIL's resize would copy it)
-            return im
-        cw, ch = w / s, h / s  # the crop in source pixels
-        left, top = (w0 - cw) / 2, (h0 - ch) / 2
-        return im.resize((w, h), Image.BILINEAR, box=(left, top, left + cw, top + ch))
+        return _fit(_mode(_upright(im), gray), h, w)
+
+
+def _draft(im, h: int, w: int, gray: bool) -> None:  # type: ignore[no-untyped-def]
+    """Let the JPEG decoder scale by 1/2, 1/4 or 1/8 in the DCT, never below what covers the target.
+
+    The target is turned into the file's stored orientation first: a portrait photo stored sideways
+    (EXIF orientation 5 to 8) covers (h, w) of the file's pixels, not (w, h).
+    """
+    tw, th = (h, w) if _orientation(im) in (5, 6, 7, 8) else (w, h)
+    w0, h0 = im.size
+    s = max(tw / w0, th / h0)
+    im.draft("L" if gray else "RGB", (max(1, math.ceil(w0 * s - 1e-6)), max(1, math.ceil(h0 * s - 1e-6))))
+
+
+def _orientation(im) -> int:  # type: ignore[no-untyped-def]
+    """The EXIF (or XMP) orientation, 1 to 8; 1 (as stored) when there is none or it cannot be read: a viewer
+    shows the pixels of a file whose EXIF is damaged, so do we."""
+    try:
+        o = int(im.getexif().get(ORIENTATION, 1))
+    except Exception:
+        return 1
+    return o if 1 <= o <= 8 else 1
+
+
+def _upright(im):  # type: ignore[no-untyped-def]
+    """The image as a photo viewer shows it (`PIL.ImageOps.exif_transpose`); as is, uncopied, when already upright."""
+    if _orientation(im) == 1:
+        return im
+    from PIL import ImageOps
+
+    return ImageOps.exif_transpose(im)
+
+
+def _fit(im, h: int, w: int):  # type: ignore[no-untyped-def]
+    """Resize so the image covers (w, h), centre-cropped; untouched when already that size (PIL's resize would copy it).
+
+    The crop is clamped to the image: in floating point `w / s` can land a hair past the source's side
+    (49 px to 32: 49.00000000000001), which PIL refused as "box offset can't be negative" and the file
+    was skipped as unreadable.
+    """
+    from PIL import Image
+
+    w0, h0 = im.size
+    if (w0, h0) == (w, h):
+        return im
+    s = max(w / w0, h / h0)
+    cw, ch = min(float(w0), w / s), min(float(h0), h / s)  # the crop in source pixels
+    left, top = (w0 - cw) / 2, (h0 - ch) / 2
+    return im.resize((w, h), Image.BILINEAR, box=(left, top, left + cw, top + ch))
 
 
 def load(path: str, h: int, w: int, gray: bool) -> np.ndarray:
@@ -77,9 +123,18 @@ def load_into(path: str, dst: np.ndarray) -> None:
 
 
 def _mode(im, gray: bool):  # type: ignore[no-untyped-def]
+    """L or RGB as a viewer shows the file: 16-bit (and 32-bit integer) gray scaled to 8 bits, where PIL's
+    `convert` clips at 255 (a 16-bit value of 1,000 of 65,535 would be white); anything transparent (an alpha
+    band, a palette's or a colour key's transparency) put on white; 1-bit, palette, CMYK and the rest through
+    PIL's conversion."""
     from PIL import Image
 
-    if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
+    if im.mode in WIDE_GRAY:
+        a = np.asarray(im).astype(np.int64).clip(0, 65535)
+        im = Image.fromarray(((a + 128) // 257).astype(np.uint8), "L")
+    elif im.mode == "F":  # floating point: taken as 0-255, as PIL's convert does
+        im = Image.fromarray(np.asarray(im).clip(0, 255).round().astype(np.uint8), "L")
+    if im.mode in ("RGBA", "LA", "PA", "RGBa") or "transparency" in im.info:
         rgba = im.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         im = Image.alpha_composite(white, rgba)
