@@ -5,7 +5,7 @@ arithmetic as torch ops (`clipping.TorchKernels`), which checks trajectories, th
 largest norm, plain and fused SGD after it, and a parameter that gets no gradient in
 some steps. The kernel's own code runs in Triton's CPU interpreter against that
 reference, and on CUDA against torch's clip in the `_cuda` tests (skipped without a
-GPU; run on the H100) and in benchmarks/step_kernels_gpu.py.
+GPU; run on the H100) and, until 2026-11-28, in benchmarks/step_kernels_gpu.py (git history).
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ def test_clip_sgd_kernel_matches_the_torch_reference_in_tritons_interpreter() ->
     The interpreter runs programs one after another, so the one-launch mode (a grid-wide
     wait) runs with one program; the two-launch mode runs the same code with four, each
     walking blocks of several tensors round-robin. The grid-wide wait itself runs on CUDA
-    (the `_cuda` tests, benchmarks/step_kernels_gpu.py).
+    (the `_cuda` tests).
     """
     import os
     import subprocess
