@@ -12,9 +12,9 @@ into a decision. Through pyfunc a classifier answers, per input row:
 
 `mlflow.pytorch.load_model` still gives the plain module (raw scores as a tensor).
 
-This file is copied into each logged model's `code/` folder as `mpsrun_classifier.py`
-and named as the pyfunc flavor's loader module: MLflow imports it from there in a
-process without mpsrun, so it imports only what the model's requirements hold
+This file is copied into each logged classifier's `code/` folder as `mpsrun_classifier.py`,
+beside the pyfunc loader `mpsrun_pyfunc.py` (track/records/pyfunc_loader.py) that wraps
+the model in `Classifier`: MLflow imports both from there in a process without mpsrun, so it imports only what the model's requirements hold
 (mlflow, numpy, pandas; torch through mlflow.pytorch). The class names sit beside the
 weights in `data/classes.json`.
 """
@@ -73,7 +73,11 @@ class Classifier:
 
 
 def _load_pyfunc(path: str, model_config: Any = None) -> Classifier:
-    """MLflow's entry point: `path` is the model's data folder (the pt2 program and classes.json)."""
+    """MLflow's entry point in models logged before `mpsrun_pyfunc` (track/records/pyfunc_loader.py) loaded them.
+
+    Newer models name `mpsrun_pyfunc` as their loader, which puts the program on the loading
+    machine's device and wraps it in `Classifier` from here.
+    """
     import mlflow.pytorch
 
     with open(os.path.join(path, CLASSES_FILE)) as f:

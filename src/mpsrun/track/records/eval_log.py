@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mpsrun.track.records import datasets as track_datasets
-from mpsrun.track.records import standard
+from mpsrun.track.records import pyfunc_loader, standard
 from mpsrun.track.records.model_log import ARTIFACT
 
 
@@ -72,12 +72,24 @@ def find(c: Any, target: str) -> Target:
     return Target(model_uri, run_id, run.info.experiment_id, model_id, recipe_text, run.data.tags.get("mpsrun.recipe"))
 
 
-def load(uri: str, model_uri: str) -> Any:
-    """The logged torch module, on the CPU (whatever device it was trained on)."""
+def load(uri: str, model_uri: str, device: Any = "cpu") -> tuple[Any, str]:
+    """The logged torch module on `device` (whatever device it was trained on); (module, where it is).
+
+    A pt2 program (the usual format) is moved with `torch.export`'s own pass, since its devices
+    are baked in (track/records/pyfunc_loader.py says why); a pickled module (the fallback
+    format) is an ordinary module that `.to()` moves.
+    """
     import mlflow
 
     mlflow.set_tracking_uri(uri)
-    return mlflow.pytorch.load_model(model_uri, map_location="cpu")
+    with tempfile.TemporaryDirectory() as d:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=d))
+        pt2 = local / "data" / pyfunc_loader.PT2_FILE
+        if pt2.exists():
+            pyfunc_loader._validate(str(pt2))
+            return pyfunc_loader.load_program(str(pt2), device)
+        model = mlflow.pytorch.load_model(str(local), map_location="cpu")
+    return model.to(device), str(device)
 
 
 def log(

@@ -25,13 +25,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mpsrun.track.records import classifier
+from mpsrun.track.records import classifier, pyfunc_loader
 
 FLAVOR = "pytorch"  # mlflow.pytorch.FLAVOR_NAME
 DATA = "data"  # mlflow.pytorch._MODEL_DATA_SUBPATH
 PT2_FILE = "model.pt2"  # mlflow.pytorch._EXPORTED_TORCH_MODEL_FILE_NAME
 PICKLE_MODULE = "mlflow.pytorch.pickle_module"  # recorded by mlflow.pytorch for pyfunc, pt2 or not
-CODE = "code"  # the model folder's code directory (pyfunc puts it on sys.path): the classifier's loader
+CODE = "code"  # the model folder's code directory (pyfunc puts it on sys.path): mpsrun's pyfunc loader
 
 
 def _plain_version(v: str) -> str:
@@ -90,21 +90,23 @@ class _Flavor:
         shutil.copyfile(self.pt2_file, os.path.join(path, DATA, PT2_FILE))
         extra = _copy_extra_files(extra_files, path)
         mlflow_model.add_flavor(FLAVOR, model_data=DATA, pytorch_version=self.torch_version, code=None, **extra)
-        loader, code = "mlflow.pytorch", None
-        if self.classes is not None:  # pyfunc answers class, class_index, probability, score_<class> (track/records/classifier.py)
+        # pyfunc loads through mpsrun's loader, which moves the program to the loading machine's
+        # device (track/records/pyfunc_loader.py); a classifier answers class, class_index,
+        # probability, score_<class> (track/records/classifier.py, copied beside it)
+        os.makedirs(os.path.join(path, CODE))
+        shutil.copyfile(pyfunc_loader.__file__, os.path.join(path, CODE, f"{pyfunc_loader.LOADER_MODULE}.py"))
+        if self.classes is not None:
             import json
 
             with open(os.path.join(path, DATA, classifier.CLASSES_FILE), "w") as f:
                 json.dump({"classes": self.classes}, f, indent=2)
-            os.makedirs(os.path.join(path, CODE))
-            shutil.copyfile(classifier.__file__, os.path.join(path, CODE, f"{classifier.LOADER_MODULE}.py"))
-            loader, code = classifier.LOADER_MODULE, CODE
+            shutil.copyfile(classifier.__file__, os.path.join(path, CODE, f"{pyfunc_loader.CLASSIFIER_MODULE}.py"))
         pyfunc.add_to_model(
             mlflow_model,
-            loader_module=loader,
+            loader_module=pyfunc_loader.LOADER_MODULE,
             data=DATA,
             pickle_module_name=PICKLE_MODULE,
-            code=code,
+            code=CODE,
             conda_env=_CONDA_ENV_FILE_NAME,
             python_env=_PYTHON_ENV_FILE_NAME,
             model_config={"device": None},
