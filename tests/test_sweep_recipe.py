@@ -226,11 +226,13 @@ def _quit_logged(log) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_a_daemon_whose_cuda_context_fails_is_stopped_and_the_workers_take_turns_simulated_driver(tmp_path, monkeypatch) -> None:
-    """The real probe (a CUDA context through libcuda) fails on this machine, as under a daemon whose server cannot start:
-    auto says why and falls back to time-slicing; nvidia-mps is an error (exit 2 at the command)."""
+    """The probe's CUDA context fails, as under a daemon whose server cannot start (simulated, so that a GPU machine,
+    where the real probe succeeds, sees it too): auto says why and falls back to time-slicing; nvidia-mps is an error
+    (exit 2 at the command)."""
     from mpsrun.sweep import gpu_share
 
     log, proc = _fake_control(tmp_path, monkeypatch)
+    monkeypatch.setattr(gpu_share, "PROBE", "import sys; sys.exit('cuDevicePrimaryCtxRetain returned CUDA error 805')")
     daemon, said = gpu_share.arrange("auto", 2, "cuda", proc=proc)
     assert daemon is None
     assert "take turns on it" in said and "NVIDIA MPS, which lets them run at once, could not start: a CUDA context under it failed" in said
