@@ -276,7 +276,9 @@ def test_a_gpu_decoder_that_cannot_start_is_said_and_tagged_simulated(tmp_path: 
 
     monkeypatch.setenv("MPSRUN_CACHE", str(tmp_path / "cache"))
     root = write(tmp_path / "nogpu", classes=2, per_class=6, size=24)
-    # as this machine is: no CUDA, so the decoder's thread finds none and the build is a CPU machine's, nothing said
+    # a machine with no CUDA (this one, or a GPU machine told so): the decoder's thread finds none and the build is a
+    # CPU machine's, nothing said
+    monkeypatch.setattr(gpu_decode, "available", lambda: False)
     s = image_folder(str(root), size=16, workers=1, val_fraction=0.25)
     assert s.info["tags"]["mpsrun.data.decode"] == "PIL in 1 process(es): 12" and not s.info.get("notes")
     assert "gpu_init" not in s.info["tags"]["mpsrun.data.decode_phases"]
