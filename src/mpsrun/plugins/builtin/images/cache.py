@@ -207,7 +207,7 @@ def _build(folder: Path, paths: list[str], shape: tuple[int, int, int, int], wor
         n_gpu = 0 if gpu is None or gpu.error else gpu.decoded - len(gpu_left)
         how = [gpu_why] if gpu_why else []
         if gpu is not None:
-            how.append(f"nvJPEG on the GPU: {n_gpu:,}" + (" (still starting when PIL had finished)" if phases.get("gpu_init", 0) is None else ""))
+            how.append(f"nvJPEG on the GPU: {n_gpu:,}" + gpu.handed() + (" (still starting when PIL had finished)" if phases.get("gpu_init", 0) is None else ""))
         n_pil = total - n_gpu
         how.append(f"PIL in {len(pool.procs) or 1} process(es): {n_pil:,}")
         t = time.perf_counter()

@@ -144,7 +144,7 @@ def _splits(
         phases = {"scan": scan_s, **cache.phases}  # where the first run's wait went
         tags["mpsrun.data.decode_phases"] = ", ".join(f"{k} {'not waited for' if v is None else f'{v:.2f} s'}" for k, v in phases.items())
     if cache.bad:
-        shown = "; ".join(f"{files[i]} ({why})" for i, why in list(cache.bad.items())[:SHOWN_BAD])
+        shown = "; ".join(f"{files[i]} ({why})" for i, why in sorted(cache.bad.items())[:SHOWN_BAD])  # in file order, the same on every build
         more = f" and {len(cache.bad) - SHOWN_BAD} more" if len(cache.bad) > SHOWN_BAD else ""
         if on_bad_image == "fail":
             raise ValueError(f"{len(cache.bad)} image(s) could not be decoded: {shown}{more}; fix or remove them, or set dataset.on_bad_image: skip")

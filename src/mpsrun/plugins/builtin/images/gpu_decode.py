@@ -10,7 +10,9 @@ target's aspect ratio and resized with antialiasing (as PIL's resize does) in on
 batch of same-sized images, and copied into the same uint8 memory map the CPU path fills
 on a writer thread while the next batch decodes. Anything nvJPEG refuses (a corrupt file,
 an unusual JPEG) is returned to the caller, which sends it through PIL: so corrupt files
-are judged the same way on every machine.
+are judged the same way on every machine. So is, before decoding, any JPEG nvJPEG would
+not show as a photo viewer does (`for_pil`: an EXIF orientation, CMYK): the same pixels on
+every machine, counted by reason in `Thread.passed` for the build to say.
 """
 
 from __future__ import annotations
@@ -57,25 +59,38 @@ def decode_gpu(
     arr: np.ndarray,
     progress: Optional[Callable[[int], None]] = None,
     device: str = "cuda",
+    passed: Optional[dict[str, int]] = None,
 ) -> list[tuple[int, str]]:
     """Decode the JPEGs at the positions `claim(BATCH)` hands out (rows `order[pos]` of `arr`, (N, C, H, W)) until it
     hands out none; returns the (index, path) pairs left for PIL. `progress(n)` after each batch.
 
     `device`: "cuda" in use; "cpu" runs the same code with torchvision's CPU decoder (the tests do).
+    `passed` counts, by reason (`for_pil`), the files handed to PIL before decoding.
     """
+    import threading
+
     import torch
     from torchvision.io import ImageReadMode, decode_jpeg
 
     _, c, h, w = arr.shape
     mode = ImageReadMode.GRAY if c == 1 else ImageReadMode.RGB
     left: list[tuple[int, str]] = []
+    lock = threading.Lock()  # `passed` is counted from the reader threads
 
     def read(p: str) -> Optional[torch.Tensor]:
+        """The file's bytes, or None for PIL: unreadable, or a JPEG nvJPEG would not show as a viewer does."""
         try:
             with open(p, "rb") as f:
-                return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+                data = f.read()
         except OSError:
             return None
+        why = for_pil(data)
+        if why is not None:
+            if passed is not None:
+                with lock:
+                    passed[why] = passed.get(why, 0) + 1
+            return None
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
     with ThreadPoolExecutor(max_workers=READERS) as pool, ThreadPoolExecutor(max_workers=1) as writer:
 
@@ -127,6 +142,77 @@ def decode_gpu(
     return left
 
 
+SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}  # start-of-frame markers
+XMP = b"http://ns.adobe.com/xap/1.0/\0"
+
+
+def for_pil(data: bytes) -> Optional[str]:
+    """None when nvJPEG decodes this JPEG as a photo viewer shows it; else why PIL decodes it instead.
+
+    Read from the markers before the image data (a few hundred bytes, no decoding): an EXIF (or XMP)
+    orientation, which nvJPEG does not apply (torchvision applies it on the CPU only); four components
+    (CMYK, YCCK: nvJPEG's colours differ from PIL's, Adobe's inverted CMYK included) or RGB stored
+    without YCbCr (Adobe transform 0); 12-bit, lossless or arithmetic coding; and anything that does not
+    parse as a JPEG header (PIL judges it, so a corrupt file is named the same way on every machine).
+    """
+    n = len(data)
+    if data[:2] != b"\xff\xd8":
+        return "not a JPEG header"
+    i, adobe_rgb = 2, False
+    while i + 4 <= n:
+        if data[i] != 0xFF:
+            return "not a JPEG header"
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # no length
+            i += 2
+            continue
+        length = int.from_bytes(data[i + 2 : i + 4], "big")
+        seg = data[i + 4 : i + 2 + length]
+        if marker == 0xE1 and seg[:6] == b"Exif\0\0" and _exif_orientation(seg[6:]) != 1:
+            return "EXIF orientation"
+        if marker == 0xE1 and seg.startswith(XMP) and b"Orientation" in seg:
+            return "EXIF orientation"
+        if marker == 0xEE and seg[:5] == b"Adobe" and len(seg) >= 12 and seg[11] == 0:
+            adobe_rgb = True
+        if marker in SOF:
+            if marker not in (0xC0, 0xC1, 0xC2) or len(seg) < 6 or seg[0] != 8:
+                return "12-bit, lossless or arithmetic JPEG"
+            comps = seg[5]
+            if comps == 4:
+                return "CMYK JPEG"
+            if comps not in (1, 3):
+                return "unusual JPEG"
+            if comps == 3 and (adobe_rgb or bytes(seg[6:15:3]) == b"RGB"):
+                return "RGB-coded JPEG"
+        if marker == 0xDA:  # start of scan: the header is over
+            return None
+        i += 2 + length
+    return "not a JPEG header"
+
+
+def _exif_orientation(tiff: bytes) -> int:
+    """Tag 0x0112 of the first IFD of an EXIF block (TIFF layout); 1 when absent, 0 when it does not parse."""
+    import struct
+
+    try:
+        e = "<" if tiff[:2] == b"II" else ">" if tiff[:2] == b"MM" else ""
+        if not e:
+            return 0
+        (ifd,) = struct.unpack(e + "I", tiff[4:8])
+        (count,) = struct.unpack(e + "H", tiff[ifd : ifd + 2])
+        for k in range(count):
+            at = ifd + 2 + 12 * k
+            tag, typ = struct.unpack(e + "HH", tiff[at : at + 4])
+            if tag == 0x0112:
+                return struct.unpack(e + "H", tiff[at + 8 : at + 10])[0] if typ == 3 else 0
+    except struct.error:
+        return 0
+    return 1
+
+
 def _store(arr: np.ndarray, rows: np.ndarray, block: np.ndarray) -> None:
     """Rows into the map's file: one `pwrite` when they are consecutive (the usual case; a system call rather
     than a page fault per 4 KiB of a fresh file), else a scatter through the map."""
@@ -167,7 +253,7 @@ def _fit(img: Any, h: int, w: int) -> Any:
 
     h0, w0 = img.shape[-2:]
     s = max(w / w0, h / h0)
-    ch, cw = min(h0, round(h / s)), min(w0, round(w / s))
+    ch, cw = min(h0, max(1, round(h / s))), min(w0, max(1, round(w / s)))
     top, left = (h0 - ch) // 2, (w0 - cw) // 2
     crop = img[..., top : top + ch, left : left + cw]
     if (ch, cw) == (h, w):  # already the cache's size (a folder written at that size): no resampling
@@ -199,6 +285,7 @@ class Thread:
         self.init_s = 0.0
         self.decoded = 0
         self.left: list[tuple[int, str]] = []
+        self.passed: dict[str, int] = {}  # files handed to PIL before decoding, by reason (`for_pil`)
         self.error: Optional[str] = None
         self.absent = False  # no CUDA GPU here: it ended without taking anything, and nothing is said
         self.checked = threading.Event()  # set once it knows whether there is a GPU
@@ -224,11 +311,17 @@ class Thread:
         finally:
             self.init_s = time.perf_counter() - t0
         try:
-            self.left = decode_gpu(*self.args, progress=self._count, device=self.device)
+            self.left = decode_gpu(*self.args, progress=self._count, device=self.device, passed=self.passed)
         except Exception as e:  # midway: PIL decodes every file this thread took (rows written twice are the same file)
             self.error = f"{type(e).__name__}: {str(e)[:160]}"
             paths, order = self.args[0], self.args[1]
             self.left = [(order[p], paths[order[p]]) for p in self.claimed]
+
+    def handed(self) -> str:
+        """The files given to PIL before decoding, by reason, for the build's line ('' when none): a file nvJPEG
+        would show otherwise than a viewer is a slower path, said rather than silent."""
+        n = sum(self.passed.values())
+        return f" ({n:,} given to PIL: " + ", ".join(f"{why} {k:,}" for why, k in sorted(self.passed.items())) + ")" if n else ""
 
     def join(self) -> None:
         self.thread.join()
