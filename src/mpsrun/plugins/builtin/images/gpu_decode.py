@@ -153,11 +153,14 @@ def for_pil(data: bytes) -> Optional[str]:
     orientation, which nvJPEG does not apply (torchvision applies it on the CPU only); four components
     (CMYK, YCCK: nvJPEG's colours differ from PIL's, Adobe's inverted CMYK included) or RGB stored
     without YCbCr (Adobe transform 0); 12-bit, lossless or arithmetic coding; and anything that does not
-    parse as a JPEG header (PIL judges it, so a corrupt file is named the same way on every machine).
+    parse as a JPEG header or lacks the end marker (PIL judges it, so a corrupt or truncated file is named
+    the same way on every machine).
     """
     n = len(data)
     if data[:2] != b"\xff\xd8":
         return "not a JPEG header"
+    if data[-2:] != b"\xff\xd9" and data.rstrip(b"\0\r\n ")[-2:] != b"\xff\xd9":
+        return "no JPEG end marker"  # truncated (PIL refuses it, nvJPEG may not), or data after the image
     i, adobe_rgb = 2, False
     while i + 4 <= n:
         if data[i] != 0xFF:
