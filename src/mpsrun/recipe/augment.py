@@ -43,16 +43,16 @@ class RandomCrop(_Op):
 class ColorJitter(_Op):
     """Per-sample factors drawn from [max(0, 1 - x), 1 + x] for each of brightness, contrast, saturation."""
 
-    brightness: float = Field(0.0, ge=0)
-    contrast: float = Field(0.0, ge=0)
-    saturation: float = Field(0.0, ge=0)
+    brightness: float = Field(0.0, ge=0, description="brightness factor spread (0: unchanged)")
+    contrast: float = Field(0.0, ge=0, description="contrast factor spread (0: unchanged)")
+    saturation: float = Field(0.0, ge=0, description="saturation factor spread (0: unchanged)")
 
 
 class Normalize(_Op):
     """Mean and std per channel (values in [0, 1]); default the dataset's own. Validation uses the same."""
 
-    mean: Optional[list[float]] = None
-    std: Optional[list[float]] = None
+    mean: Optional[list[float]] = Field(None, description="per-channel mean; default the dataset's own, measured when the cache is built")
+    std: Optional[list[float]] = Field(None, description="per-channel standard deviation; default the dataset's own")
 
 
 OPS: dict[str, type[_Op]] = {
@@ -68,7 +68,7 @@ class AugmentStep(BaseModel):
     """One entry of `augment:`: a known name plus that augmentation's arguments, flat beside it."""
 
     model_config = ConfigDict(extra="allow")
-    name: str
+    name: str = Field(..., description="one of the augmentations below; its arguments go flat beside it")
 
     @field_validator("name")
     @classmethod

@@ -25,7 +25,7 @@ class PluginSection(BaseModel):
     """A `name:` plus that plugin's keyword arguments, flat beside it."""
 
     model_config = ConfigDict(extra="allow")
-    name: str
+    name: str = Field(..., description="the plugin's name (distribution:name when two packages register it); its keyword arguments go flat beside it")
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -39,9 +39,9 @@ warnings.filterwarnings("ignore", message='Field name "register"', category=User
 
 class TrackingSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    experiment: str | None = None
-    run_name: str | None = None
-    tags: dict[str, str] = Field(default_factory=dict)
+    experiment: str | None = Field(None, description="MLflow experiment; default: the recipe file's name")
+    run_name: str | None = Field(None, description="the run's name; default <model>-<dataset>-<device>-<suffix>")
+    tags: dict[str, str] = Field(default_factory=dict, description="extra tags set on the run (values are stored as strings)")
     log_model: bool = Field(True, description="log the trained model with mlflow.pytorch (artifact `model`: signature, input example, requirements)")
     register: str | None = Field(None, description="register the logged model as a new version of this registered model")
     system_metrics: bool = Field(True, description="sample CPU, memory, disk, network and GPU (NVIDIA, MPS) as system/... metrics")
@@ -60,9 +60,9 @@ class LoaderSection(BaseModel):
     """Options for the DataLoader path, used when data is not device-resident."""
 
     model_config = ConfigDict(extra="forbid")
-    num_workers: int = Field(0, ge=0)
-    persistent_workers: bool = True
-    pin_memory: Union[Auto, bool] = "auto"
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes (0: batches made in the training process)")
+    persistent_workers: bool = Field(True, description="keep the workers alive between epochs (with num_workers > 0)")
+    pin_memory: Union[Auto, bool] = Field("auto", description="pinned host memory for faster copies (auto: on for CUDA only)")
 
 
 class CheckpointSection(BaseModel):
@@ -141,11 +141,11 @@ class SweepParam(BaseModel):
     """
 
     model_config = ConfigDict(extra="forbid")
-    choices: list[Any] | None = None
-    low: Union[int, float, None] = None
-    high: Union[int, float, None] = None
-    step: Union[int, float, None] = Field(None, gt=0)
-    log: bool = False
+    choices: list[Any] | None = Field(None, description="values to choose from (written as a plain list)")
+    low: Union[int, float, None] = Field(None, description="lower end of a range (integers: an integer range)")
+    high: Union[int, float, None] = Field(None, description="upper end of a range, included")
+    step: Union[int, float, None] = Field(None, gt=0, description="spacing of a discrete range (needed by the grid sampler)")
+    log: bool = Field(False, description="sample the range on a log scale (low above 0, no step)")
 
     @model_validator(mode="after")
     def _coherent(self) -> "SweepParam":
@@ -218,30 +218,30 @@ class Recipe(BaseModel):
     device_fallback: list[str] = Field(
         default_factory=list, description="devices to try, in order, when `device` is unusable"
     )
-    epochs: int = Field(1, ge=1)
-    batch_size: int = Field(64, ge=1)
-    seed: int = 0
-    dataset: PluginSection
-    model: PluginSection
-    optimizer: PluginSection
-    tracking: TrackingSection = Field(default_factory=TrackingSection)
-    loader: LoaderSection = Field(default_factory=LoaderSection)
+    epochs: int = Field(1, ge=1, description="passes over the training data")
+    batch_size: int = Field(64, ge=1, description="samples per step; with several ranks (--nproc) the global batch, shared between them")
+    seed: int = Field(0, description="seeds weights, data order, splits and augmentation: the same seed trains the same run")
+    dataset: PluginSection = Field(..., description="a dataset plugin by name (digits, mnist, fashion_mnist, image_folder, ...) and its arguments")
+    model: PluginSection = Field(..., description="a model plugin by name (mlp, cnn, torchvision, ...) and its arguments; num_classes and input_shape are filled in")
+    optimizer: PluginSection = Field(..., description="a torch.optim optimizer by lower-case name (sgd, adam, adamw, ...) and its arguments")
+    tracking: TrackingSection = Field(default_factory=TrackingSection, description="where and how the run is recorded in MLflow")
+    loader: LoaderSection = Field(default_factory=LoaderSection, description="the DataLoader path, for data that is not device-resident")
 
     # Training controls (train/assemble.py): all optional; the defaults follow the dataset's task.
     loss: Union[PluginSection, None] = Field(None, description="a torch.nn loss by snake_case name (mse, cross_entropy, ...) or an mpsrun.losses plugin, with its arguments")
     metrics: list[str] = Field(default_factory=list, description="metrics beside the task's defaults (top5_accuracy, mse, mae, rmse, r2, accuracy)")
     scheduler: Union[SchedulerSection, None] = Field(None, description="a torch.optim.lr_scheduler class by name (CosineAnnealingLR), its arguments, interval, warmup_epochs")
-    early_stopping: Union[EarlyStoppingSection, None] = None
-    grad_clip: Union[GradClipSection, None] = None
+    early_stopping: Union[EarlyStoppingSection, None] = Field(None, description="stop when the monitored metric stops improving")
+    grad_clip: Union[GradClipSection, None] = Field(None, description="clip the gradients' global norm inside the step")
     accumulate: int = Field(1, ge=1, description="micro-batches per optimizer step; exact: batch_size 16 x 4 trains like 64")
     callbacks: list[PluginSection] = Field(default_factory=list, description="mpsrun.callbacks plugins, each {name: ..., <kwargs>}, called between epochs in this order")
     augment: list[AugmentStep] = Field(default_factory=list, description="training-image augmentations run per sample on the device, in order: "
                                        "random_resized_crop, random_horizontal_flip, random_crop, color_jitter, normalize; validation only resizes and normalizes")
 
     # Speed options: each `auto` is resolved per device by the engine and recorded.
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    channels_last: Union[Auto, bool] = "auto"
-    compile: Union[Auto, bool] = "auto"
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto (fp32), fp32, bf16 (autocast) or fp16 (autocast + grad scaler, no CUDA graphs)")
+    channels_last: Union[Auto, bool] = Field("auto", description="channels_last memory format (auto: on for conv models on CUDA)")
+    compile: Union[Auto, bool] = Field("auto", description="torch.compile the model (auto: off); a failure falls back to eager, said and tagged")
     graphs: Union[Auto, bool] = Field("auto", description="CUDA graphs around the whole step")
     cudnn_benchmark: Union[Auto, bool] = Field(
         "auto", description="let cuDNN time its convolution algorithms (auto: on for conv models on CUDA)"
@@ -249,13 +249,13 @@ class Recipe(BaseModel):
     resident: Union[Auto, bool] = Field(
         "auto", description="keep the dataset on the device when it fits"
     )
-    resident_max_gb: float = Field(
-        2.0, gt=0, description="largest dataset (GiB) copied onto the device"
+    resident_max_gb: Union[Auto, Annotated[float, Field(gt=0)]] = Field(
+        "auto", description="largest dataset (GiB) copied onto the device; auto: what fits beside the model (CUDA: after a measured step)"
     )
     log_every: int = Field(
         0, ge=0, description="steps between progress reads of the loss (0: once per epoch)"
     )
-    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="end-of-epoch checkpoints kept with the run, for mpsrun resume")
     on_nonfinite: Literal["stop", "warn"] = Field(
         "stop", description="a NaN or infinite loss read at an epoch end: stop (run FAILED, exit 1) or warn and go on"
     )
@@ -277,7 +277,7 @@ class Recipe(BaseModel):
     repeats: int = Field(1, ge=1, description="runs of each matrix cell; the table reports medians and spread")
 
     # Searches (`mpsrun sweep`): Optuna trials, each a child run; `mpsrun run` ignores the section.
-    sweep: Union[SweepSection, None] = None
+    sweep: Union[SweepSection, None] = Field(None, description="what mpsrun sweep searches (Optuna); mpsrun run ignores it")
 
     @field_validator("device_fallback", mode="before")
     @classmethod
