@@ -112,13 +112,13 @@ def resolve_options(recipe: Recipe, device: torch.device, model: nn.Module, plan
         channels_last = bool(recipe.channels_last)
     compile_ = recipe.compile is True
     if recipe.graphs == "auto":
-        graphs = device.type == "cuda" and plan.resident and precision != "fp16" and not compile_
+        graphs = device.type == "cuda" and plan.graphable and precision != "fp16" and not compile_
     else:
         graphs = bool(recipe.graphs)
         if graphs and device.type != "cuda":
             notes.append(f"graphs: CUDA graphs need a CUDA device, not {device.type}; running eager")
             graphs = False
-        elif graphs and not plan.resident:
+        elif graphs and not plan.graphable:
             notes.append("graphs: CUDA graphs need device-resident data; running eager")
             graphs = False
         elif graphs and precision == "fp16":
@@ -206,7 +206,7 @@ def prepare(resolved: Resolved, splits: DataSplits | None = None) -> Setup:
         transform=splits.transform,
         train_transform=aug.train if aug is not None else None,
         resident=recipe.resident,
-        max_bytes=int(recipe.resident_max_gb * 2**30),
+        max_bytes="auto" if recipe.resident_max_gb == "auto" else int(recipe.resident_max_gb * 2**30),
         free_bytes=devices.free_memory_bytes(device),
         num_workers=recipe.loader.num_workers,
         persistent_workers=recipe.loader.persistent_workers,

@@ -12,22 +12,18 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from mpsrun.train.loop.feed import place
+from mpsrun.train.loop.feed.host import HostBatches, MemoryRows
+from mpsrun.train.loop.feed.order import epoch_seed
+
+__all__ = ["BatchPlan", "HostBatches", "LoaderBatches", "ResidentBatches", "epoch_seed", "plan_batches", "raw_tensors"]
+
 Transform = Optional[Callable[[torch.Tensor], torch.Tensor]]
-
-
-def epoch_seed(seed: int, epoch: int) -> int:
-    """The shuffle seed of one epoch: a pure function of (seed, epoch).
-
-    So an epoch's data order does not depend on how many epochs ran before it in
-    this process, and a run resumed from a checkpoint sees exactly the batches an
-    uninterrupted run would have seen.
-    """
-    return (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + 1) % 2**63
 
 
 def raw_tensors(ds: Dataset) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -87,6 +83,30 @@ class ResidentBatches:
         for i in range(0, self.n, bs):
             yield x[i : i + bs], y[i : i + bs]
 
+    def head(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first k samples (the graphs are captured on them)."""
+        return self.x[:k], self.y[:k]
+
+    def feeder(self) -> "SliceFeed":
+        """For the graphs: this epoch's samples, copied into each replay's static input in turn."""
+        return SliceFeed(*self.epoch_tensors())
+
+
+class SliceFeed:
+    """Successive slices of an epoch's device tensors, copied into a CUDA graph's static input (k steps of b)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y, self.i = x, y, 0
+
+    def into(self, sx: torch.Tensor, sy: torch.Tensor) -> None:
+        n = sx.shape[0] * sx.shape[1]
+        sx.copy_(self.x[self.i : self.i + n].view(sx.shape))
+        sy.copy_(self.y[self.i : self.i + n].view(sy.shape))
+        self.i += n
+
+    def close(self) -> None:
+        pass
+
 
 class LoaderBatches:
     """A DataLoader whose batches are moved to the device and transformed there."""
@@ -140,65 +160,18 @@ class LoaderBatches:
             yield xb, yb
 
 
-class HostSliceBatches(LoaderBatches):
-    """Raw tensors that stay in host memory (a memory-mapped image cache too large for the device).
-
-    Each batch is one `index_select` over the host tensor (rows sorted, so a memory map is read
-    front to back; validation batches are plain contiguous slices), pinned on CUDA and copied
-    to the device while the previous batch trains: no per-sample Python, unlike a DataLoader
-    over a TensorDataset. A thread gathers the next batch (index_select releases the GIL).
-    Order: a seeded permutation per epoch, as on the resident path. Under DDP the shards wing
-    uses the DataLoader this class still carries (`loader`), so every rank's share stays exact.
-    """
-
-    path_name = "host slices"
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int, device: torch.device, shuffle: bool, seed: int) -> None:
-        from torch.utils.data import TensorDataset
-
-        super().__init__(TensorDataset(x, y), batch_size, device, shuffle, seed, num_workers=0)
-        self.x, self.y = x, y
-        self.n = len(y)
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.pin = device.type == "cuda"
-        self._gen = torch.Generator().manual_seed(seed)
-
-    def set_epoch(self, epoch: int) -> None:
-        super().set_epoch(epoch)
-        self._gen.manual_seed(epoch_seed(self.seed, epoch))
-
-    def __len__(self) -> int:
-        return math.ceil(self.n / self.batch_size)
-
-    def _gather(self, idx: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(idx, slice):
-            xb, yb = self.x[idx], self.y[idx]
-        else:
-            xb, yb = self.x.index_select(0, idx), self.y.index_select(0, idx)
-        if self.pin:
-            xb, yb = xb.pin_memory(), yb.pin_memory()
-        return xb, yb
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        from concurrent.futures import ThreadPoolExecutor
-
-        bs = self.batch_size
-        if self.shuffle:
-            perm = torch.randperm(self.n, generator=self._gen)
-            parts: list = [perm[i : i + bs].sort().values for i in range(0, self.n, bs)]
-        else:
-            parts = [slice(i, i + bs) for i in range(0, self.n, bs)]
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            nxt = pool.submit(self._gather, parts[0]) if parts else None
-            for k in range(len(parts)):
-                assert nxt is not None
-                xb, yb = nxt.result()
-                nxt = pool.submit(self._gather, parts[k + 1]) if k + 1 < len(parts) else None
-                yield xb.to(self.device, non_blocking=self.pin), yb.to(self.device, non_blocking=self.pin)
+Batches = ResidentBatches | LoaderBatches | HostBatches
 
 
-Batches = ResidentBatches | LoaderBatches
+@dataclass
+class Pending:
+    """Data whose place waits for a measured step (`resident_max_gb: auto` on CUDA): its raw tensors and size."""
+
+    train: tuple[torch.Tensor, torch.Tensor]
+    val: tuple[torch.Tensor, torch.Tensor]
+    total: int
+    batch_size: int
+    seed: int
 
 
 @dataclass
@@ -209,6 +182,56 @@ class BatchPlan:
     reason: str  # why resident or not: recorded on the run
     transform: Transform = None  # applied by the engine to each raw input batch, on the device
     train_transform: Transform = None  # training batches only (the recipe's `augment:`); None: `transform`
+    pending: Optional[Pending] = None  # auto on CUDA: host batches until `settle` has measured a step
+
+    @property
+    def graphable(self) -> bool:
+        """Whether CUDA graphs can replay this plan's steps: fixed-shape batches copied into their static input."""
+        return all(hasattr(b, "feeder") for b in (self.train, self.val))
+
+    def settle(self, measure: Callable[[torch.Tensor, torch.Tensor], int], graph_steps: int) -> str:
+        """Place pending data: `measure(x, y)` runs one training step (undone) and returns its peak bytes.
+
+        The note says where the data went and why; the plan's `resident` and `reason` follow.
+        """
+        p = self.pending
+        assert p is not None
+        self.pending = None
+        device = self.train.device
+        x, y = p.train[0][: p.batch_size].to(device), p.train[1][: p.batch_size].to(device)
+        peak = measure(x, y)
+        row = p.train[0][:1].numel() * p.train[0].element_size()
+        static = 2 * graph_steps * p.batch_size * row  # train and validation graphs' inputs
+        room, how = place.cuda_room(device, peak, static, graph_steps > 0)
+        if p.total <= room:
+            self.train = ResidentBatches(*p.train, p.batch_size, device, True, p.seed)
+            self.val = ResidentBatches(*p.val, p.batch_size, device, False, p.seed)
+            self.resident = True
+            self.reason = f"resident_max_gb auto: {place.gib(p.total)} of raw tensors on the device (room {place.gib(room)}: {how})"
+            return f"data: {self.reason}"
+        self.reason = (f"resident_max_gb auto: {place.gib(p.total)} of raw tensors exceed the room of {place.gib(room)} ({how}); "
+                       "batches gathered from host memory into pinned buffers, copied on a side stream")
+        return f"data: {self.reason}"
+
+
+def _stream(ds: Dataset) -> Optional[dict[str, Any]]:
+    """A dataset over the host memory budget (`image_folder`'s MappedRows): how to read it from disk, else None."""
+    return getattr(ds, "stream_spec", None)
+
+
+def _host(ds: Dataset, batch_size: int, device: torch.device, shuffle: bool, seed: int) -> Optional[HostBatches]:
+    spec = _stream(ds)
+    if spec is not None:
+        from mpsrun.train.loop.feed.host import PINNED_SLOTS
+        from mpsrun.train.loop.feed.stream import DiskRows
+
+        shape = tuple(spec["sample_shape"])
+        reserve = PINNED_SLOTS * batch_size * math.prod(shape)  # the batch buffers come out of the same budget
+        disk = DiskRows(spec["path"], spec["file_rows"], shape, spec["rows"], spec["labels"], spec["budget"], reserve)
+        disk.dataset = ds  # data-parallel ranks read their share through a DataLoader over it
+        return HostBatches(disk, batch_size, device, shuffle, seed)
+    t = raw_tensors(ds)
+    return HostBatches(MemoryRows(*t), batch_size, device, shuffle, seed) if t is not None else None
 
 
 def plan_batches(
@@ -221,28 +244,51 @@ def plan_batches(
     transform: Transform,
     resident: bool | str,
     train_transform: Transform = None,
-    max_bytes: int,
+    max_bytes: int | str,
     free_bytes: int | None,
     num_workers: int = 0,
     persistent_workers: bool = True,
     pin_memory: bool | str = "auto",
 ) -> BatchPlan:
-    """Choose resident batching when asked for or when the data fits; say why."""
+    """Choose resident batching when asked for or when the data fits; say why.
+
+    max_bytes: the cap in bytes (a number in the recipe), or "auto": what fits beside the model
+    (feed/place.py; on CUDA decided by `BatchPlan.settle` after a measured step).
+    """
+    if _stream(train) is not None or _stream(val) is not None:  # over host memory: streamed from disk
+        tr_b, va_b = _host(train, batch_size, device, True, seed), _host(val, batch_size, device, False, seed)
+        if tr_b is not None and va_b is not None:
+            spec = _stream(train) or _stream(val)
+            assert spec is not None
+            reason = f"{spec['why']}; read from disk in shuffled blocks within {place.gib(spec['budget'])} of host memory"
+            return BatchPlan(tr_b, va_b, False, reason, transform, train_transform)
     sizes = [nbytes(train), nbytes(val)]
+    pending = False
     if resident is False:
         use, reason = False, "resident: false in the recipe"
     elif any(s is None for s in sizes):
         use, reason = False, "dataset exposes no raw tensors (not a TensorDataset)"
     else:
         total = sum(s for s in sizes if s is not None)
-        room = max_bytes if free_bytes is None else min(max_bytes, free_bytes // 2)
-        if resident is True or total <= room:
-            use = True
-            reason = f"{total / 2**20:.1f} MiB of raw tensors on the device"
+        if resident is True:
+            use, reason = True, f"{total / 2**20:.1f} MiB of raw tensors on the device"
+        elif max_bytes == "auto":
+            room, how = place.plan_time_room(device, free_bytes)
+            if room is None:
+                pending, use, reason = True, False, f"resident_max_gb auto: {place.gib(total)} of raw tensors, placed after a measured step"
+            elif total <= room:
+                use, reason = True, f"resident_max_gb auto: {place.gib(total)} of raw tensors on the device (room {place.gib(room)}: {how})"
+            else:
+                use, reason = False, f"resident_max_gb auto: {place.gib(total)} of raw tensors exceed the room of {place.gib(room)} ({how})"
         else:
-            use, reason = False, f"{total / 2**20:.1f} MiB exceeds the resident limit of {room / 2**20:.1f} MiB"
+            cap = int(max_bytes)
+            room = cap if free_bytes is None else min(cap, free_bytes // 2)
+            if total <= room:
+                use, reason = True, f"{total / 2**20:.1f} MiB of raw tensors on the device"
+            else:
+                use, reason = False, f"{total / 2**20:.1f} MiB exceeds the resident limit of {room / 2**20:.1f} MiB"
+    tr, va = raw_tensors(train), raw_tensors(val)
     if use:
-        tr, va = raw_tensors(train), raw_tensors(val)
         assert tr is not None and va is not None
         return BatchPlan(
             ResidentBatches(*tr, batch_size, device, True, seed),
@@ -252,16 +298,18 @@ def plan_batches(
             transform,
             train_transform,
         )
-    tr, va = raw_tensors(train), raw_tensors(val)
-    if tr is not None and va is not None and num_workers == 0:  # raw tensors in host memory: sliced, not per sample
-        return BatchPlan(
-            HostSliceBatches(*tr, batch_size, device, True, seed),
-            HostSliceBatches(*va, batch_size, device, False, seed),
+    if tr is not None and va is not None and num_workers == 0:  # raw tensors in host memory: gathered per batch, on a thread
+        plan = BatchPlan(
+            HostBatches(MemoryRows(*tr), batch_size, device, True, seed),
+            HostBatches(MemoryRows(*va), batch_size, device, False, seed),
             False,
-            reason + "; batches gathered from host memory",
+            reason + ("" if pending else "; batches gathered from host memory"),
             transform,
             train_transform,
         )
+        if pending:
+            plan.pending = Pending(tr, va, sum(s for s in sizes if s is not None), batch_size, seed)
+        return plan
     common = dict(num_workers=num_workers, persistent_workers=persistent_workers, pin_memory=pin_memory)
     return BatchPlan(
         LoaderBatches(train, batch_size, device, True, seed, **common),

@@ -54,6 +54,11 @@ def train(
     listener.on_start(epochs, len(plan.train), len(plan.val))
     callbacks = callbacks or Callback()
     state = state or RunState(model, optimizer, device, epochs)
+    if plan.pending is not None:  # resident_max_gb: auto on CUDA: a measured step decides where the data lives
+        note = plan.settle(lambda x, y: _measured_step(trainer, x, y), GRAPH_STEPS if isinstance(trainer, GraphTrainer) else 0)
+        options.notes.append(note)
+        listener.on_note(note)
+        getattr(state.log, "set_tags", lambda tags: None)({"data.path": "resident" if plan.resident else plan.train.path_name, "data.path_reason": plan.reason})
     if trainer.scaler is not None:  # fp16: checkpoints carry the grad scaler; a restored one is used
         trainer.scaler = state.extras.setdefault("scaler", trainer.scaler)
     n_train = plan.train.samples
@@ -148,6 +153,29 @@ def _capture_or_eager(trainer: "GraphTrainer", plan: BatchPlan, listener: Listen
         trainer.options.graphs = False
         listener.on_note(note)
         return Trainer(trainer.model, trainer.optimizer, trainer.device, trainer.options, trainer.transform, trainer.objective, trainer.train_transform)
+
+
+def _measured_step(trainer: Trainer, x: torch.Tensor, y: torch.Tensor) -> int:
+    """One training step on (x, y), undone (weights, optimizer state, sums, random generators, grad scaler):
+    its peak bytes above what was allocated before it, with the optimizer's state then in place (CUDA)."""
+    base = getattr(trainer.model, "_orig_mod", trainer.model)
+    snapshot = snapshot_state(base, trainer.optimizer, trainer.accumulators())
+    rng = (torch.get_rng_state(), torch.cuda.get_rng_state(trainer.device))
+    scaler = trainer.scaler.state_dict() if trainer.scaler is not None else None
+    torch.cuda.synchronize(trainer.device)
+    before = torch.cuda.memory_allocated(trainer.device)
+    torch.cuda.reset_peak_memory_stats(trainer.device)
+    try:
+        trainer.model.train()
+        trainer.train_step(x, y)
+        torch.cuda.synchronize(trainer.device)
+        return int(torch.cuda.max_memory_allocated(trainer.device) - before)
+    finally:
+        restore_state(base, trainer.optimizer, snapshot)
+        torch.set_rng_state(rng[0])
+        torch.cuda.set_rng_state(rng[1], trainer.device)
+        if scaler is not None and trainer.scaler is not None:
+            trainer.scaler.load_state_dict(scaler)
 
 
 def _first_batch(batches: Any) -> tuple[torch.Tensor, torch.Tensor]:

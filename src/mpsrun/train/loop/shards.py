@@ -179,6 +179,28 @@ def _val_share(val: Any, batch: int, world: int, rank: int) -> Any:
     return part
 
 
+AUTO_RANK_CAP = 2 * 2**30  # auto's cap on a data-parallel rank: every rank must take the same path, decided before any step
+
+
+def _place_now(plan: BatchPlan) -> BatchPlan:
+    """`resident_max_gb: auto` on a rank of a job: the former rule (2 GiB, and half the free memory), alike on every rank
+    of a job of equal GPUs; no rank measures a step of its own, whose peak could differ and split the ranks' paths."""
+    p = plan.pending
+    assert p is not None
+    plan.pending = None
+    device = plan.train.device
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else AUTO_RANK_CAP * 2
+    room = min(AUTO_RANK_CAP, free // 2)
+    if p.total <= room:
+        plan.train = ResidentBatches(*p.train, p.batch_size, device, True, p.seed)
+        plan.val = ResidentBatches(*p.val, p.batch_size, device, False, p.seed)
+        plan.resident = True
+        plan.reason = f"resident_max_gb auto on a rank of a job: {p.total / 2**20:.1f} MiB of raw tensors on the device"
+    else:
+        plan.reason = f"resident_max_gb auto on a rank of a job: {p.total / 2**20:.1f} MiB exceeds {room / 2**20:.1f} MiB; batches gathered from host memory"
+    return plan
+
+
 def share(plan: BatchPlan, batch_size: int, seed: int) -> tuple[BatchPlan, list[str]]:
     """This rank's plan (unchanged in a single process), and notes to record."""
     ctx = distributed.context()
@@ -186,6 +208,8 @@ def share(plan: BatchPlan, batch_size: int, seed: int) -> tuple[BatchPlan, list[
         return plan, []
     world, rank = ctx.world_size, ctx.rank
     weight = StepWeight(1.0, world)
+    if plan.pending is not None:
+        plan = _place_now(plan)
     if isinstance(plan.train, ResidentBatches):
         train: Any = ShardResidentBatches(plan.train.x, plan.train.y, batch_size, plan.train.device, seed, world, rank, weight)
     else:

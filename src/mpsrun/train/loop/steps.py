@@ -199,8 +199,8 @@ class GraphTrainer(Trainer):
         key = (kind, k, b, w)
         if key in self.graphs:
             return self.graphs[key]
-        sx = x[: k * b].reshape(k, b, *x.shape[1:]).clone()
-        sy = y[: k * b].reshape(k, b).clone()
+        sx = x[: k * b].reshape(k, b, *x.shape[1:]).to(self.device, copy=True)  # host batches: their first rows, copied over
+        sy = y[: k * b].reshape(k, b).to(self.device, copy=True)
         step = functools.partial(self.train_step, weight=w) if kind == "train" else self.val_step
         if kind == "train" and self.fused is not None:
             self.fused.check(b)  # fused layers: the same answers as torch's at this batch size, or Mismatch (torch's kernels then)
@@ -248,46 +248,49 @@ class GraphTrainer(Trainer):
         The same order on every rank of a job (sorted keys): warm-up and capture hold collectives.
         """
         for kind, batches in (("train", plan.train), ("val", plan.val)):
-            assert isinstance(batches, ResidentBatches)
+            assert hasattr(batches, "feeder"), "graphs need resident or host batches (train/loop/data.py)"
+            if hasattr(batches, "ahead"):  # host batches: device slots for two replays' worth, copied while one runs
+                batches.ahead = max(batches.ahead, 2 * GRAPH_STEPS + 2)
             (self.model.train if kind == "train" else self.model.eval)()
             for k, b, w in sorted(set(self._groups(batches, batches.n)), reverse=True):
                 if kind == "train":
                     _place_share(batches, b, w)
-                self._graph(kind, k, b, batches.x[: k * b], batches.y[: k * b], w)
+                self._graph(kind, k, b, *batches.head(k * b), w)
         self.model.train()
 
-    def _replay(self, kind: str, batches: ResidentBatches, x: torch.Tensor, y: torch.Tensor, on_group: Callable[[int], None] | None) -> None:
+    def _replay(self, kind: str, batches: Any, on_group: Callable[[int], None] | None) -> None:
+        """Each group's samples into its graph's static input, then the replay: slices of the epoch's device
+        tensors (resident), or batches copied from pinned host buffers on a side stream meanwhile (host)."""
         i = 0
-        for k, bs, w in self._groups(batches, len(y)):
-            xs, ys = x[i : i + k * bs], y[i : i + k * bs]
-            if kind == "train":
-                _place_share(batches, bs, w)  # for a graph captured here, on first use
-            g, sx, sy = self._graph(kind, k, bs, xs, ys, w)
-            sx.copy_(xs.view(sx.shape))
-            sy.copy_(ys.view(sy.shape))
-            g.replay()
-            i += k * bs
-            if on_group is not None:
-                on_group(i)
+        feed = batches.feeder()
+        try:
+            for k, bs, w in self._groups(batches, batches.n):
+                if kind == "train":
+                    _place_share(batches, bs, w)  # for a graph captured here, on first use
+                key = (kind, k, bs, w)
+                g, sx, sy = self.graphs[key] if key in self.graphs else self._graph(kind, k, bs, *batches.head(k * bs), w)
+                feed.into(sx, sy)
+                g.replay()
+                i += k * bs
+                if on_group is not None:
+                    on_group(i)
+        finally:
+            feed.close()
 
     def train_epoch(self, plan: BatchPlan, epoch: int, listener: Listener) -> None:
-        assert isinstance(plan.train, ResidentBatches)
         self.model.train()
-        x, y = plan.train.epoch_tensors()
-        b = plan.train.batch_size
+        b = plan.train.batch_size  # type: ignore[union-attr]
 
         def report(seen: int) -> None:
             listener.on_step(epoch, -(-seen // b), seen, None)
 
-        self._replay("train", plan.train, x, y, report)
+        self._replay("train", plan.train, report)
 
     @torch.no_grad()
     def val_epoch(self, plan: BatchPlan) -> None:
-        assert isinstance(plan.val, ResidentBatches)
         self.model.eval()
         graph_sync.sync_buffers(self.model)
-        x, y = plan.val.epoch_tensors()
-        self._replay("val", plan.val, x, y, None)
+        self._replay("val", plan.val, None)
 
 
 def _place_share(batches: Any, b: int, w: float) -> None:
