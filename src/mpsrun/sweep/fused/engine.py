@@ -1,0 +1,179 @@
+"""The fused group's epochs: each member's data order, one forward and backward for all, one update.
+
+Per epoch, like the solo engine (train/loop/engine.py): each member's shuffle is its solo run's
+(`torch.randperm` with the generator seeded `epoch_seed(seed, epoch)`, the resident path's),
+members with the same seed and dataset share each batch (gathered once), the training loss
+and validation sums accumulate on the device and are read once at the epoch's end. Then each
+member's epoch goes to `on_epoch` (its run, the pruner, the non-finite guard), which may end
+it: a member that ends leaves the group at once (every stacked tensor narrowed to the others).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mpsrun.sweep.fused.members import Built, Member
+
+# on_epoch(member, epoch, metrics) -> None to go on, or the member's end: ("PRUNED" | "FAILED", message)
+OnEpoch = Callable[[Member, int, dict[str, float]], "tuple[str, str] | None"]
+
+
+class Group:
+    def __init__(self, b: Built) -> None:
+        self.b = b
+        self.active: list[Member] = list(b.members)
+        self.ntr = int(b.sources[0][1].shape[0])
+        self.nva = int(b.sources[0][3].shape[0])
+        dev = b.device
+        self.loss_sum = torch.zeros(len(self.active), device=dev)
+        self.extra_notes: list[str] = []
+
+    # -- data
+    def _streams(self) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
+        """The distinct (dataset, seed) pairs among the active members, and each member's index among them (None: one pair)."""
+        pairs: list[tuple[int, int]] = []
+        which = []
+        for m in self.active:
+            key = (m.source, m.seed)
+            if key not in pairs:
+                pairs.append(key)
+            which.append(pairs.index(key))
+        return pairs, (torch.tensor(which, device=self.b.device) if len(pairs) > 1 else None)
+
+    def _prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """The dataset's transform on the device, over [K, B, ...] as one batch of K*B."""
+        if self.b.transform is None:
+            return x.float() if not x.is_floating_point() else x
+        k, n = x.shape[0], x.shape[1]
+        y = self.b.transform(x.reshape(k * n, *x.shape[2:]))
+        return y.reshape(k, n, *y.shape[1:])
+
+    def _batch(self, xs: list[torch.Tensor], ys: list[torch.Tensor], which: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per stream its batch, then per member its stream's: [M, B, ...] (a view where all members share one)."""
+        x = self._prepare(torch.stack(xs))
+        y = torch.stack(ys)
+        m = len(self.active)
+        if which is None:
+            return x.expand(m, *x.shape[1:]), y.expand(m, *y.shape[1:])
+        return x.index_select(0, which), y.index_select(0, which)
+
+    # -- the epochs
+    def run(self, on_epoch: OnEpoch, listen: Callable[[int, float], None] | None = None) -> None:
+        from mpsrun.devices import resolve as devices
+        from mpsrun.train.loop.data import epoch_seed
+
+        b = self.b
+        bs = b.batch_size
+        for epoch in range(b.epochs):
+            if not self.active:
+                return
+            pairs, which = self._streams()
+            perms = [torch.randperm(self.ntr, generator=torch.Generator().manual_seed(epoch_seed(seed, epoch))).to(b.device) for _, seed in pairs]
+            devices.synchronize(b.device)
+            t0 = time.perf_counter()
+            self.loss_sum = torch.zeros(len(self.active), device=b.device)
+            b.stacked.train()
+            for i in range(0, self.ntr, bs):
+                xs = [b.sources[s][0].index_select(0, p[i : i + bs]) for (s, _), p in zip(pairs, perms)]
+                ys = [b.sources[s][1].index_select(0, p[i : i + bs]) for (s, _), p in zip(pairs, perms)]
+                x, y = self._batch(xs, ys, which)
+                self._train_step(x, y)
+            devices.synchronize(b.device)
+            t1 = time.perf_counter()
+            train_loss = [v / self.ntr for v in self.loss_sum.tolist()]  # the epoch's one read
+            val = self._validate(pairs, which)
+            devices.synchronize(b.device)
+            t2 = time.perf_counter()
+            mem = devices.memory_bytes(b.device)
+            ended: list[int] = []
+            for j, m in enumerate(list(self.active)):
+                metrics = {"train_loss": train_loss[j], **val[j], "lr": m.hyper.lr if m.hyper else float("nan"),
+                           "epoch_time_s": t2 - t0, "train_time_s": t1 - t0, "val_time_s": t2 - t1,
+                           "train_samples_per_s": self.ntr / max(t1 - t0, 1e-9), "memory_bytes": float(mem)}
+                m.history.append(metrics)
+                verdict = on_epoch(m, epoch, metrics)
+                if verdict is not None:
+                    m.state, m.message = verdict
+                    ended.append(j)
+            if listen is not None:
+                listen(epoch, t2 - t0)
+            if ended:
+                self._leave(ended)
+        for m in self.active:
+            m.state = "COMPLETE" if m.state == "RUNNING" else m.state
+
+    def _train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        b = self.b
+        out = b.stacked(x)
+        if b.ce is not None:
+            m, n = out.shape[0], out.shape[1]
+            per = F.cross_entropy(out.reshape(m * n, -1).float(), y.reshape(m * n), reduction="none", **b.ce)
+            losses = per.view(m, n).mean(1)
+        else:
+            losses = torch.stack([mem.loss(out[j], y[j]) for j, mem in enumerate(self.active)])
+        self.loss_sum.add_(losses.detach().float(), alpha=y.shape[1])  # the epoch's sum gets mean * len(y), as alone
+        b.opt.zero_grad()
+        losses.sum().backward()  # each member's loss has gradient 1: its parameters get its own gradients
+        b.opt.step()
+
+    @torch.no_grad()
+    def _validate(self, pairs: list[tuple[int, int]], which: torch.Tensor | None) -> list[dict[str, float]]:
+        b = self.b
+        b.stacked.eval()
+        bs, mcount = b.batch_size, len(self.active)
+        vsum = torch.zeros(mcount, device=b.device)
+        correct = torch.zeros(mcount, dtype=torch.long, device=b.device)
+        top5 = torch.zeros(mcount, dtype=torch.long, device=b.device)
+        if b.ce is None:
+            for mem in self.active:
+                mem.metrics.reset()
+        for i in range(0, self.nva, bs):
+            xs = [b.sources[s][2][i : i + bs] for s, _ in pairs]
+            ys = [b.sources[s][3][i : i + bs] for s, _ in pairs]
+            x, y = self._batch(xs, ys, which)
+            out = b.stacked(x)
+            n = y.shape[1]
+            if b.ce is not None:
+                per = F.cross_entropy(out.reshape(mcount * n, -1).float(), y.reshape(mcount * n), reduction="none", **b.ce)
+                vsum.add_(per.view(mcount, n).mean(1), alpha=n)
+                correct.add_((out.argmax(-1) == y).sum(1))
+                if out.shape[-1] > 10:
+                    top5.add_((out.topk(5, dim=-1).indices == y.unsqueeze(-1)).any(-1).sum(1))
+            else:
+                for j, mem in enumerate(self.active):
+                    mem.loss.summed(out[j], y[j], vsum[j])
+                    mem.metrics.update(out[j], y[j])
+        losses = [v / self.nva for v in vsum.tolist()]
+        if b.ce is None:
+            return [{"val_loss": losses[j], **mem.metrics.compute(self.nva)} for j, mem in enumerate(self.active)]
+        acc, t5 = correct.tolist(), top5.tolist()
+        out_metrics = []
+        for j, mem in enumerate(self.active):
+            d = {"val_loss": losses[j], "val_accuracy": acc[j] / self.nva}
+            if "top5_accuracy" in mem.metrics.names:
+                d["val_top5_accuracy"] = t5[j] / self.nva
+            out_metrics.append(d)
+        return out_metrics
+
+    def _leave(self, ended: list[int]) -> None:
+        """The ended members leave the group now: the others' stacked parameters, state and data go on without them."""
+        keep = [j for j in range(len(self.active)) if j not in ended]
+        self.active = [self.active[j] for j in keep]
+        if not keep:
+            return
+        self.b.stacked.keep(keep)
+        self.b.opt.keep(keep, self.b.stacked.params)
+
+
+def nonfinite(metrics: dict[str, float], epoch: int, epochs: int) -> str | None:
+    """The non-finite guard's words (train/keep/guard.py) for a member whose loss went NaN or infinite."""
+    bad = {k: v for k, v in metrics.items() if k.endswith("loss") and not math.isfinite(v)}
+    if not bad:
+        return None
+    what = ", ".join(f"{k}={v}" for k, v in bad.items())
+    return f"NonFiniteLoss: non-finite loss at epoch {epoch + 1} of {epochs} (MLflow step {epoch}): {what}; this member left its fused group, the others went on"

@@ -1,0 +1,103 @@
+"""Which trials can train as one fused step, and why the others cannot (said once, in the parent's notes).
+
+Two trials fuse when their resolved recipes are equal once the shape-free values are set
+aside (FREE: the same operators on the same shapes), and nothing in the recipe asks for
+what the fused step does not do (RECIPE_WHY_NOT). Checks that need the built objects (the
+model's layers, the optimizer's arguments, the data) are in `members`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Callable
+
+from mpsrun.recipe.load import Resolved
+
+# Recipe paths whose values change no shape: members may differ in them.
+FREE = ("seed", "optimizer.lr", "optimizer.weight_decay", "optimizer.momentum", "optimizer.dampening", "optimizer.nesterov",
+        "optimizer.betas", "optimizer.eps", "model.dropout", "loss.label_smoothing")
+
+
+def recipe_why_not(resolved: Resolved) -> str | None:
+    """What in this trial's recipe the fused step does not do; None when nothing."""
+    r = resolved.recipe
+    checks: list[tuple[bool, str]] = [
+        (r.accumulate > 1, f"accumulate: {r.accumulate}"),
+        (r.scheduler is not None, "a scheduler"),
+        (r.early_stopping is not None, "early stopping"),
+        (bool(r.callbacks), "callbacks"),
+        (bool(r.augment), "augment"),
+        (r.grad_clip is not None, "grad_clip"),
+        (r.precision not in ("auto", "fp32"), f"precision {r.precision}"),
+        (r.compile is True, "compile: true"),
+        (r.resident is False, "resident: false"),
+        (r.tracking.log_model, "tracking.log_model: true (the fused trials log no model)"),
+        (r.tracking.figures, "tracking.figures: true (the fused trials draw no figures)"),
+        (r.checkpoint.every > 0, "checkpoint.every > 0 (the fused trials keep no checkpoints)"),
+    ]
+    said = [why for bad, why in checks if bad]
+    return f"the recipe asks for {', '.join(said)}, which the fused step does not do" if said else None
+
+
+def _drop(data: dict, path: str) -> None:
+    node: Any = data
+    keys = path.split(".")
+    for k in keys[:-1]:
+        node = node.get(k) if isinstance(node, dict) else None
+        if node is None:
+            return
+    if isinstance(node, dict):
+        node.pop(keys[-1], None)
+
+
+def shape_key(resolved: Resolved) -> str:
+    """The trial's recipe with the shape-free values set aside: trials with the same key can fuse."""
+    data = copy.deepcopy(resolved.source.data)
+    data.pop("sweep", None)
+    for path in FREE:
+        _drop(data, path)
+    return json.dumps(data, sort_keys=True, default=str)
+
+
+def differing(a: Resolved, b: Resolved) -> list[str]:
+    """Top-level (and section.key) paths where two trials' shape keys differ: what keeps them apart."""
+    da, db = json.loads(shape_key(a)), json.loads(shape_key(b))
+    out = []
+    for k in sorted(set(da) | set(db)):
+        va, vb = da.get(k), db.get(k)
+        if va == vb:
+            continue
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += [f"{k}.{s}" for s in sorted(set(va) | set(vb)) if va.get(s) != vb.get(s)]
+        else:
+            out.append(k)
+    return out
+
+
+def partition(items: list[Any], resolved_of: Callable[[Any], Resolved], most: int) -> tuple[list[list[Any]], list[tuple[Any, str]]]:
+    """Groups (each of 2 or more, at most `most`) and the trials that run alone, with why."""
+    alone: list[tuple[Any, str]] = []
+    keyed: dict[str, list[Any]] = {}
+    for it in items:
+        why = recipe_why_not(resolved_of(it))
+        if why:
+            alone.append((it, why))
+            continue
+        keyed.setdefault(shape_key(resolved_of(it)), []).append(it)
+    groups: list[list[Any]] = []
+    for same in keyed.values():
+        if len(same) == 1:
+            other = next((g[0] for g in keyed.values() if g is not same), None)
+            diff = differing(resolved_of(same[0]), resolved_of(other)) if other is not None else []
+            why = (f"its {', '.join(diff)} differ{'s' if len(diff) == 1 else ''} from every other trial asked with it" if diff
+                   else "no other trial was asked with it")
+            alone.append((same[0], why))
+            continue
+        for i in range(0, len(same), most):
+            part = same[i : i + most]
+            if len(part) == 1:
+                alone.append((part[0], "the last of its kind after full groups"))
+            else:
+                groups.append(part)
+    return groups, alone
