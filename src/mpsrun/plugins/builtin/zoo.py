@@ -113,6 +113,71 @@ def _adapt_first_conv(model: nn.Module, channels: int) -> None:
     raise PluginError(f"cannot find a 3-channel first convolution to adapt to {channels} channels; use dataset.rgb: true")
 
 
+class WeightsNorm(nn.Module):
+    """The pretrained weights' own input normalisation, in front of the network.
+
+    The dataset hands the model its images normalised with the data set's own mean and std (its
+    transform, which the runner applies on the device and logs with the model); the pretrained
+    weights learnt on images normalised with theirs (`weights.transforms()`). This layer maps the one
+    to the other exactly, one multiply-add per pixel: x_weights = x_data * (std_data / std_w) +
+    (mean_data - mean_w) / std_w. Being part of the model, it is in every checkpoint and in the logged
+    model, so `mpsrun eval` and a served model apply it with no step of their own.
+    """
+
+    def __init__(self, data_mean: list[float], data_std: list[float], mean: list[float], std: list[float]) -> None:
+        super().__init__()
+        dm, ds, m, sd = (torch.tensor([float(v) for v in t]) for t in (data_mean, data_std, mean, std))
+        self.register_buffer("scale", (ds / sd).view(1, -1, 1, 1))
+        self.register_buffer("shift", ((dm - m) / sd).view(1, -1, 1, 1))
+        self.mean, self.std = list(mean), list(std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addcmul(self.shift.to(x.dtype), x, self.scale.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"mean={self.mean}, std={self.std}"
+
+
+class Pretrained(nn.Module):
+    """A torchvision network with its pretrained weights' input normalisation (`norm`) in front."""
+
+    def __init__(self, norm: WeightsNorm, net: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(self.norm(x))
+
+
+def _say(data_info: Optional[dict[str, Any]], note: str) -> None:
+    """A note for the run (said on screen, tagged): the dataset's notes list, which the runner reads after the model is built."""
+    notes = data_info.get("notes") if isinstance(data_info, dict) else None
+    if isinstance(notes, list) and note not in notes:
+        notes.append(note)
+
+
+def _with_weights_norm(model: nn.Module, w: Any, channels: int, input_shape: tuple[int, ...], num_classes: int,
+                       data_info: Optional[dict[str, Any]]) -> nn.Module:
+    """Fine-tuning: the weights' normalisation in front (where the dataset says its own), and what the run is told."""
+    t = w.transforms()
+    mean, std = list(getattr(t, "mean", []) or []), list(getattr(t, "std", []) or [])
+    crop, resize = list(getattr(t, "crop_size", []) or []), list(getattr(t, "resize_size", []) or [])
+    trained = f"{w} were trained on {crop[0] if crop else '?'} px crops" + (f" (resized to {resize[0]}, centre-cropped)" if resize else "")
+    fed = "x".join(str(v) for v in input_shape)
+    head = f"head replaced: {len(w.meta['categories'])} -> {num_classes} classes"
+    info = data_info or {}
+    dm, ds = info.get("mean"), info.get("std")
+    if channels == 3 and len(mean) == 3 and isinstance(dm, list) and isinstance(ds, list) and len(dm) == len(ds) == 3:
+        _say(data_info, f"model: {trained}; this run feeds {fed}; inputs normalised with the weights' mean {mean} and std {std} "
+                        f"(the data set's own undone in the model's first layer, logged with it); {head}")
+        return Pretrained(WeightsNorm(dm, ds, mean, std), model)
+    why = "the dataset does not say its mean and std" if channels == 3 else f"{channels}-channel input"
+    _say(data_info, f"model: {trained}; this run feeds {fed}; inputs reach the weights as the dataset normalises them, "
+                    f"not with the weights' mean {mean} and std {std} ({why}); {head}")
+    return model
+
+
 def _check_input(build: Any, arch: str, input_shape: tuple[int, ...]) -> None:
     """Fail at setup, with what to change, when `arch` cannot take inputs of this shape.
 
@@ -148,6 +213,7 @@ def torchvision_model(
     num_classes: int,
     input_shape: tuple[int, ...],
     weights: Optional[str] = None,
+    data_info: Optional[dict[str, Any]] = None,
 ) -> nn.Module:
     """Any torchvision classification model by name (arch: resnet18, vgg16, efficientnet_b0, ...).
 
@@ -158,7 +224,10 @@ def torchvision_model(
     loading pretrained weights). Inputs without 3 channels get a first convolution
     with that many inputs (pretrained kernels summed for 1 channel); to keep the
     stock stem instead, set dataset.rgb: true. Vision transformers are built for the
-    input's image size. List the names with
+    input's image size. With weights, the model normalises its inputs as the weights were
+    trained (`weights.transforms()`'s mean and std, in place of the dataset's: a first layer
+    that is logged with the model, so eval and serving apply it too), and the run is told the
+    size the weights were trained at. List the names with
     `python -c "import torchvision; print(torchvision.models.list_models(module=torchvision.models))"`.
     """
     from torchvision.models import get_model
@@ -174,9 +243,9 @@ def torchvision_model(
         path = cached_weights_path(w)
         if not os.path.exists(path):
             raise PluginError(
-                f"model.weights: {w} are not in the local cache ({path}) and mpsrun does not download weights; "
-                f"fetch them once where there is internet (python -c \"import torchvision; "
-                f"torchvision.models.get_model('{arch}', weights='{w}')\") and copy the file there, "
+                f"model.weights: {w} are not in the local cache and mpsrun does not download weights; place the file "
+                f"{os.path.basename(path)} ({w.url}) at {path}: fetch it once where there is internet (python -c \"import torchvision; "
+                f"torchvision.models.get_model('{arch}', weights='{w}')\") and copy it there, "
                 f"or point TORCH_HOME at a cache that has it; or use weights: null"
             )
     else:
@@ -201,11 +270,12 @@ def torchvision_model(
 
     _check_input(build, arch, tuple(input_shape))
     try:
-        return build(load=w is not None)
+        model = build(load=w is not None)
+        return model if w is None else _with_weights_norm(model, w, channels, tuple(input_shape), num_classes, data_info)
     except PluginError:
         raise
     except Exception as e:  # a corrupt or mismatched cached file
         raise PluginError(f"cannot build torchvision model '{arch}' with weights {w}: {type(e).__name__}: {e}") from None
 
 
-__all__ = ["torchvision_model", "classification_models", "cached_weights_path", "Arch"]
+__all__ = ["torchvision_model", "classification_models", "cached_weights_path", "Arch", "Pretrained", "WeightsNorm"]

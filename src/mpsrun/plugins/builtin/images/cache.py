@@ -37,11 +37,23 @@ def root() -> Path:
     return Path(base).expanduser() / "images"
 
 
-def key(files: Sequence[Path], h: int, w: int, mode: str) -> str:
+def key(files: Sequence[Path], h: int, w: int, mode: str, stats: Optional[dict[str, tuple[int, int]]] = None) -> str:
+    """The cache's name: every file's absolute path, size and modification time, and the settings.
+
+    `stats` (path -> (size, mtime_ns)): what the listing read with its one `stat` per file
+    (scan.Listing.stats); a file it lacks is stat-ed here. 100,000 files take seconds, not minutes.
+    """
     digest = hashlib.sha256(json.dumps({"v": VERSION, "h": h, "w": w, "mode": mode}).encode())
+    known = stats or {}
+    lines = []
     for p in files:
-        st = os.stat(p)
-        digest.update(f"{os.path.abspath(p)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        s = str(p)
+        got = known.get(s)
+        if got is None:
+            st = os.stat(p)
+            got = (st.st_size, st.st_mtime_ns)
+        lines.append(f"{s if os.path.isabs(s) else os.path.abspath(s)}\0{got[0]}\0{got[1]}\n")
+    digest.update("".join(lines).encode())
     return digest.hexdigest()[:24]
 
 
@@ -61,7 +73,8 @@ class Cache:
     notes: list[str] = field(default_factory=list)  # said on screen and kept with the run (a decoder that could not run)
 
 
-def open_or_build(files: Sequence[Path], h: int, w: int, mode: str, workers: Optional[int] = None, quiet: bool = False) -> Cache:
+def open_or_build(files: Sequence[Path], h: int, w: int, mode: str, workers: Optional[int] = None, quiet: bool = False,
+                  stats: Optional[dict[str, tuple[int, int]]] = None) -> Cache:
     """The cache for these files and settings: reopened when it exists, else decoded now.
 
     Runs that start together on the same data (the ranks of a DDP job, `mpsrun bench --parallel`
@@ -71,7 +84,7 @@ def open_or_build(files: Sequence[Path], h: int, w: int, mode: str, workers: Opt
 
     t0 = time.perf_counter()
     c = 1 if mode == "gray" else 3
-    folder = root() / key(files, h, w, mode)
+    folder = root() / key(files, h, w, mode, stats)
     key_s = time.perf_counter() - t0
     found = _open(folder)
     if found is not None:

@@ -16,11 +16,11 @@ from typing import Literal, Optional, Union
 
 import numpy as np
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from mpsrun.plugins.builtin import readers
 from mpsrun.plugins.builtin.images import cache as cache_mod
-from mpsrun.plugins.builtin.images import scan
+from mpsrun.plugins.builtin.images import memory, scan
 from mpsrun.plugins.contract import DataSplits, ImageTransform
 
 SHOWN_BAD = 3  # unreadable files named on screen; the rest are counted
@@ -34,6 +34,7 @@ def image_folder(
     on_bad_image: Literal["skip", "fail"] = "skip",
     workers: Optional[int] = None,
     seed: int = 0,
+    host_max_gb: Optional[float] = None,
     recipe_dir: Optional[str] = None,
 ) -> DataSplits:
     """Images in class folders (ROOT/cat/1.jpg), or ROOT/train, ROOT/val (and ROOT/test) of that layout; decoded once into a uint8 cache.
@@ -46,12 +47,14 @@ def image_folder(
     cores; nvJPEG on a CUDA GPU) into ~/.cache/mpsrun/images (or $MPSRUN_CACHE/images);
     later runs open no image file. on_bad_image: skip (named on screen, tagged
     mpsrun.data.skipped) or fail (exit 2). A relative root is read from the working
-    folder, else from the recipe's folder.
+    folder, else from the recipe's folder. host_max_gb: host memory the decoded images may
+    hold (default: MPSRUN_HOST_MAX_GB, else half the available memory); a larger cache is
+    read from disk in shuffled blocks within that budget.
     """
     t0 = time.perf_counter()
     path = scan.resolve_path(root, recipe_dir, "dataset.root")
     listing = scan.scan_folder(path)
-    return _splits(listing, size, mode, val_fraction, on_bad_image, workers, seed, time.perf_counter() - t0)
+    return _splits(listing, size, mode, val_fraction, on_bad_image, workers, seed, time.perf_counter() - t0, host_max_gb)
 
 
 def image_csv(
@@ -64,17 +67,18 @@ def image_csv(
     on_bad_image: Literal["skip", "fail"] = "skip",
     workers: Optional[int] = None,
     seed: int = 0,
+    host_max_gb: Optional[float] = None,
     recipe_dir: Optional[str] = None,
 ) -> DataSplits:
     """Images listed in a CSV: a path column (relative to the CSV's folder) and a label column (class names or integers 0..K-1).
 
     Class names are the sorted label names (or "0".."K-1" for integer labels). Same
-    size, mode, val_fraction, on_bad_image, workers and cache as image_folder.
+    size, mode, val_fraction, on_bad_image, workers, host_max_gb and cache as image_folder.
     """
     t0 = time.perf_counter()
     path = scan.resolve_path(csv, recipe_dir, "dataset.csv")
     listing = scan.scan_csv(path, path_column, label_column)
-    return _splits(listing, size, mode, val_fraction, on_bad_image, workers, seed, time.perf_counter() - t0)
+    return _splits(listing, size, mode, val_fraction, on_bad_image, workers, seed, time.perf_counter() - t0, host_max_gb)
 
 
 def _hw(size: Union[int, list[int]]) -> tuple[int, int]:
@@ -117,6 +121,45 @@ def _take(x: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
     return x[torch.from_numpy(rows)]
 
 
+class MappedRows(Dataset):
+    """A split of the cache left on disk, over the host memory budget: the training loop reads it in blocks
+    (its `stream_spec`: train/loop/feed/stream.py); anything else reads it a sample at a time from the map."""
+
+    def __init__(self, images: np.ndarray, path: str, rows: np.ndarray, labels: torch.Tensor, budget: int, why: str) -> None:
+        self.images, self.rows, self.labels = images, rows, labels
+        self.stream_spec = {"path": path, "file_rows": images.shape[0], "sample_shape": tuple(images.shape[1:]), "rows": rows,
+                            "labels": labels, "budget": budget, "why": why}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.from_numpy(np.array(self.images[int(self.rows[i])])), self.labels[i]
+
+
+STREAM_MIN_SHARE = 8  # a split over budget / 8 streams when the whole set is over the budget; smaller ones stay in memory
+
+
+def _datasets(cache: cache_mod.Cache, x: torch.Tensor, y: torch.Tensor, rows: dict[str, np.ndarray], budget: int, how: str) -> tuple[dict[str, Dataset], str]:
+    """TensorDatasets over the map while the images fit the host budget (the runner's resident rule applies);
+    over it, the large splits are MappedRows, read from disk within the budget less the small splits' bytes."""
+    row = int(np.prod(cache.images.shape[1:]))
+    total = sum(len(r) for r in rows.values()) * row
+    if total <= budget:
+        return {s: TensorDataset(_take(x, r), y[torch.from_numpy(r)]) for s, r in rows.items()}, ""
+    big = {s for s, r in rows.items() if len(r) * row > budget // STREAM_MIN_SHARE}
+    held = sum(len(r) * row for s, r in rows.items() if s not in big)
+    why = f"{memory.gib(total)} of decoded images exceed the host memory budget of {memory.gib(budget)} ({how})"
+    out: dict[str, Dataset] = {}
+    for s, r in rows.items():
+        if s in big:
+            share = (budget - held) * len(r) // max(1, sum(len(rows[b]) for b in big))
+            out[s] = MappedRows(cache.images, str(cache.folder / "images.u8"), r, y[torch.from_numpy(r)], share, why)
+        else:
+            out[s] = TensorDataset(_take(x, r), y[torch.from_numpy(r)])
+    return out, why
+
+
 def _splits(
     listing: scan.Listing,
     size: Union[int, list[int]],
@@ -126,16 +169,18 @@ def _splits(
     workers: Optional[int],
     seed: int,
     scan_s: float = 0.0,
+    host_max_gb: Optional[float] = None,
 ) -> DataSplits:
     h, w = _hw(size)
+    budget, budget_how = memory.host_budget(host_max_gb)  # a bad figure is bad input before any decoding
     if workers is not None and workers < 1:
         raise ValueError(f"dataset.workers must be at least 1, got {workers}")
     rows = _split_indices(listing, val_fraction, seed)  # before decoding: a bad split costs no time
     files = listing.all_files()
     labels = np.asarray([lab for s in scan.SPLITS for lab in listing.labels.get(s, [])], dtype=np.int64)
-    cache = cache_mod.open_or_build(files, h, w, mode, workers)
+    cache = cache_mod.open_or_build(files, h, w, mode, workers, stats=listing.stats)
     if cache.status == "reused":  # the build says so with its progress line; a reuse in one line
-        print(f"images: {len(files):,} decoded earlier, read from {cache.folder} (no image file opened)", file=sys.stderr, flush=True)
+        print(f"images: {len(files):,} listed in {scan_s:.2f} s, decoded earlier, read from {cache.folder} (no image file opened)", file=sys.stderr, flush=True)
     notes: list[str] = list(cache.notes)
     tags = {"mpsrun.data.cache": cache.status, "mpsrun.data.cache_dir": str(cache.folder)}
     if cache.status == "built":  # the progress line said it on screen; the run keeps the figure
@@ -157,7 +202,10 @@ def _splits(
             raise ValueError(f"the training images left hold {len(present)} class(es): a classifier needs at least two")
     x = torch.from_numpy(cache.images)  # (N, C, H, W) uint8 over the memory map
     y = torch.from_numpy(labels)
-    ds = {s: TensorDataset(_take(x, r), y[torch.from_numpy(r)]) for s, r in rows.items()}
+    ds, why = _datasets(cache, x, y, rows, budget, budget_how)
+    if why:
+        notes.append(f"images: {why}; read from disk in shuffled blocks (each once an epoch) within that budget")
+        tags["mpsrun.data.host_budget"] = why
     transform = ImageTransform(mean=tuple(cache.mean), std=tuple(cache.std))
     c = 1 if mode == "gray" else 3
     info = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv as csv_mod
 import difflib
 import os
+import stat as stat_mod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -27,6 +28,7 @@ class Listing:
     files: dict[str, list[Path]] = field(default_factory=dict)  # split -> files (train always; val, test when given)
     labels: dict[str, list[int]] = field(default_factory=dict)
     source: str = ""  # the folder or CSV read: recorded with the run's datasets
+    stats: dict[str, tuple[int, int]] = field(default_factory=dict)  # path -> (size, mtime_ns): the listing's one stat per file, which the cache key reuses
 
     def all_files(self) -> list[Path]:
         return [p for s in SPLITS for p in self.files.get(s, [])]
@@ -51,11 +53,39 @@ def is_image(name: str) -> bool:
     return not name.startswith(".") and name.lower().endswith(EXTENSIONS)
 
 
-def _images_under(folder: Path) -> list[Path]:
-    out = []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        out += [Path(dirpath) / f for f in sorted(filenames) if is_image(f)]
+def _images_under(folder: Path, stats: Optional[dict[str, tuple[int, int]]] = None) -> list[Path]:
+    """Image files under `folder` (sorted, sub-folders followed, links too), each stat-ed once: `os.scandir`'s entries
+    know file from folder without a call, and `DirEntry.stat()` is the one `stat` a file costs (kept in `stats`
+    for the cache key, which would otherwise stat every file again)."""
+    out: list[Path] = []
+    todo = [str(folder)]
+    seen: set[tuple[int, int]] = set()  # (device, inode) of the folders walked: a link back up is not followed twice
+    while todo:
+        d = todo.pop()
+        try:
+            st = os.stat(d)
+            if (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            with os.scandir(d) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError:
+            continue
+        subdirs = []
+        for e in entries:
+            if e.name.startswith("."):
+                continue
+            if e.is_dir():
+                subdirs.append(e.path)
+            elif is_image(e.name):
+                try:
+                    est = e.stat()
+                except OSError:
+                    continue  # a dangling link: nothing to decode
+                if stats is not None:
+                    stats[e.path] = (est.st_size, est.st_mtime_ns)
+                out.append(Path(e.path))
+        todo += reversed(subdirs)  # depth first, in name order, as os.walk listed them
     return out
 
 
@@ -63,11 +93,11 @@ def _class_dirs(folder: Path) -> list[Path]:
     return sorted((d for d in folder.iterdir() if d.is_dir() and not d.name.startswith(".")), key=lambda d: d.name)
 
 
-def _read_classes(folder: Path, where: str) -> dict[str, list[Path]]:
+def _read_classes(folder: Path, where: str, stats: Optional[dict[str, tuple[int, int]]] = None) -> dict[str, list[Path]]:
     dirs = _class_dirs(folder)
     if not dirs:
         raise ValueError(f"{where} {folder} has no class folders: put each class's images in a folder of its own ({folder}/cat/1.jpg, {folder}/dog/2.jpg)")
-    found = {d.name: _images_under(d) for d in dirs}
+    found = {d.name: _images_under(d, stats) for d in dirs}
     empty = [n for n, files in found.items() if not files]
     if empty:
         raise ValueError(
@@ -82,16 +112,17 @@ def scan_folder(root: Path) -> Listing:
     if not root.is_dir():
         raise FileNotFoundError(f"dataset.root {root} is not a folder")
     if (root / "train").is_dir():
-        train = _read_classes(root / "train", "dataset.root's train/")
+        stats: dict[str, tuple[int, int]] = {}
+        train = _read_classes(root / "train", "dataset.root's train/", stats)
         classes = sorted(train)
-        listing = Listing(classes, source=str(root))
+        listing = Listing(classes, source=str(root), stats=stats)
         index = {c: i for i, c in enumerate(classes)}
         listing.files["train"] = [p for c in classes for p in train[c]]
         listing.labels["train"] = [index[c] for c in classes for _ in train[c]]
         for split in ("val", "test"):
             if not (root / split).is_dir():
                 continue
-            found = _read_classes(root / split, f"dataset.root's {split}/")
+            found = _read_classes(root / split, f"dataset.root's {split}/", stats)
             unknown = sorted(set(found) - set(classes))
             if unknown:
                 raise ValueError(
@@ -102,9 +133,10 @@ def scan_folder(root: Path) -> Listing:
             listing.files[split] = [p for c in names for p in found[c]]
             listing.labels[split] = [index[c] for c in names for _ in found[c]]
     else:
-        found = _read_classes(root, "dataset.root")
+        stats = {}
+        found = _read_classes(root, "dataset.root", stats)
         classes = sorted(found)
-        listing = Listing(classes, source=str(root))
+        listing = Listing(classes, source=str(root), stats=stats)
         listing.files["train"] = [p for c in classes for p in found[c]]
         listing.labels["train"] = [i for i, c in enumerate(classes) for _ in found[c]]
     if len(listing.classes) < 2:
@@ -134,14 +166,20 @@ def scan_csv(path: Path, path_column: str, label_column: str) -> Listing:
         raise ValueError(f"dataset.csv {path} has no rows")
     base = path.parent
     files, raw, missing = [], [], []
+    stats: dict[str, tuple[int, int]] = {}
     for rel, label in rows:
         p = Path(rel.strip()).expanduser()
         p = p if p.is_absolute() else base / p
         if not is_image(p.name):
             continue  # not an image file: ignored, like in folders
-        if not p.is_file():
+        try:
+            st = os.stat(p)  # the one stat of this file; the cache key reuses it
+        except OSError:
+            st = None
+        if st is None or not stat_mod.S_ISREG(st.st_mode):
             missing.append(rel)
             continue
+        stats[str(p)] = (st.st_size, st.st_mtime_ns)
         if label == "":
             raise ValueError(f"dataset.csv {path}: row for {rel!r} has an empty {label_column!r}")
         files.append(p)
@@ -161,7 +199,7 @@ def scan_csv(path: Path, path_column: str, label_column: str) -> Listing:
         labels = [index[v] for v in raw]
     if len(set(labels)) < 2:
         raise ValueError(f"dataset.csv {path} has a single class ({classes[labels[0]]!r}): a classifier needs at least two")
-    return Listing(classes, {"train": files}, {"train": labels}, source=str(path))
+    return Listing(classes, {"train": files}, {"train": labels}, source=str(path), stats=stats)
 
 
 def _is_int(v: str) -> bool:
