@@ -203,6 +203,9 @@ class SweepSection(BaseModel):
     sampler: Literal["tpe", "random", "grid", "cmaes", "qmc"] = Field("tpe", description="Optuna sampler, seeded from the recipe's seed")
     pruner: Literal["none", "median", "hyperband", "successive_halving"] = Field("none", description="Optuna pruner; the metric is reported every epoch")
     params: dict[SweepKey, SweepValue] = Field(..., min_length=1, description="dotted recipe path -> [choices] or {low, high, step, log}")
+    fuse: Union[Literal["auto", "off"], Annotated[int, Field(ge=1)]] = Field(
+        "auto", description="train trials that differ only in values (lr, weight decay, momentum, betas, seed, dropout, label smoothing) "
+        "together as one fused step: auto (groups sized from the device's free memory), off, or the largest group")
 
     def direction(self) -> Literal["min", "max"] | None:
         """`mode`, else what the metric's name says (None: it does not say; the sweep asks for `mode:`)."""

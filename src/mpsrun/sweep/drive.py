@@ -200,6 +200,7 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
     procs: list[subprocess.Popen] = early.procs
     code, message = EXIT_OK, ""
     status = "FINISHED"
+    fused_said: list[str] = []  # what worker 0's fused groups said (sweep/fused/work.py): on screen and on the parent
     # Trial ends, from worker 0 here and the others through their pipes, are shown by one thread: worker 0 goes on
     # to its next trial at once instead of reading the study and tagging the parent's progress first.
     ends: queue.Queue = queue.Queue()
@@ -220,8 +221,9 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
                 reader.start()
             together = os.environ.get(ENV_TOGETHER, "") not in ("", "0")
             try:
-                worker.work(job, p.resolved, 0, ended, ready=(lambda: _all_ready(arrived, len(pipes))) if together else None,
-                            tracker=tracker)
+                tally = worker.work(job, p.resolved, 0, ended, ready=(lambda: _all_ready(arrived, len(pipes))) if together else None,
+                                    tracker=tracker)
+                fused_said = tally.said.all() if tally.said is not None else []
             except trial_mod.BadInput as e:
                 code, message = EXIT_INPUT, str(e)
                 _signal(procs, signal.SIGTERM)
@@ -247,7 +249,9 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
     shower.join(timeout=60)  # every trial's line shown before the summary
     if code == EXIT_OK and EXIT_INPUT in codes:
         code, message = EXIT_INPUT, "a worker stopped on bad input (its message is above)"
-    notes: list[str] = []
+    notes: list[str] = list(fused_said)
+    if fused_said:
+        parent.notes(p.tracking_uri, parent_run_id, p.notes + fused_said)
     if generation is None:  # a guest: the last command out publishes (the owner has let go, or is gone)
         got = parent.claim(p.tracking_uri, parent_run_id)
         if got["ok"]:

@@ -97,8 +97,8 @@ def sampler(sweep: SweepSection, seed: int) -> Any:
     import optuna
 
     s = sweep.sampler
-    if s == "tpe":
-        return optuna.samplers.TPESampler(seed=seed)
+    if s == "tpe":  # fused groups ask several trials before telling any: the constant liar keeps them apart
+        return optuna.samplers.TPESampler(seed=seed, constant_liar=sweep.fuse != "off")
     if s == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if s == "grid":

@@ -63,6 +63,7 @@ class TrialEnd:
 @dataclass
 class Tally:
     ran: list[TrialEnd] = field(default_factory=list)
+    said: Any = None  # fused.work.Said: what the fused groups said (group size, trials run unfused and why)
 
 
 def share_cores(workers: int) -> None:
@@ -203,12 +204,23 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
     totals = trace.Totals(index) if tracing else None
     ready_s = time.perf_counter() - _T0  # this module's import to the first ask: the worker's start
     tally = Tally()
+    if resolved.recipe.sweep is not None and resolved.recipe.sweep.fuse != "off":
+        from mpsrun.sweep.fused.work import Said
+
+        tally.said = Said()
     try:
         _loop(job, resolved, index, on_end, tracker, study, marker, cache, placement, tally, totals)
     finally:
         canary.REUSE_OPS = False
         if totals is not None:
             totals.emit(ready_s)
+        if tally.said is not None and tally.said.all():  # on the parent, once: what fusing did and did not do
+            from mpsrun.train.record import hook_later
+
+            try:
+                hook_later(tracker, "tag_run", job.parent_run_id, {f"mpsrun.sweep.fuse.{index}": " | ".join(tally.said.all())[:5000]})
+            except Exception:  # noqa: BLE001 - said on screen by worker 0 regardless
+                pass
     return tally
 
 
@@ -222,6 +234,17 @@ def _loop(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
 
     sweep = resolved.recipe.sweep
     assert sweep is not None
+    if sweep.fuse != "off":  # trials that differ only in values train as one fused step (sweep/fused/)
+        from mpsrun.sweep.fused import work as fused
+
+        def run_one(t: Any, values: dict[str, Any]) -> None:
+            _one(job, resolved, on_end, tracker, study, marker, cache, placement, tally, None, None, t, values, time.perf_counter())
+
+        def finish(t: Any, outcome: "Outcome", values: dict[str, Any], start: float) -> None:
+            _finish(study, t, outcome, values, start, marker, tally, on_end)
+
+        fused.loop(job, resolved, index, tracker, study, marker, cache, placement, run_one, finish, tally.said)
+        return
     while True:
         phases = trace.Phases() if totals is not None else None
         wait0 = getattr(tracker, "wait_s", 0.0)
@@ -236,44 +259,63 @@ def _loop(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
             t.set_user_attr(storage.SURPLUS, "the budget was reached by other workers")
             study.tell(t, state=TrialState.FAIL)
             break
-        beat = storage.heartbeat_thread(study, t._trial_id)  # noqa: SLF001
         if phases is not None:
             phases.lap("ask")
-        start = time.perf_counter()
-        values: dict[str, Any] = {}
-        try:
-            values = space.suggest(t, sweep)
-            trial_resolved = trial_recipe(resolved, {**values, **placement})
-            tags = {trial_mod.TRIAL_TAG: str(t.number), "mpsrun.sweep.study": job.study, "mpsrun.sweep": "trial",
-                    **{f"mpsrun.sweep.param.{k}": json.dumps(v) for k, v in values.items()}}
-            outcome = trial_mod.run(trial_resolved, t, sweep.metric, sweep.pruner, job.parent_run_id, job.tracking_uri, cache, tags,
-                                    tracker=tracker, phases=phases)
-        except KeyboardInterrupt as e:
-            storage.mark_lost(study, t, f"interrupted ({getattr(e, 'name', 'SIGINT')})")
-            _lost_run_after(t, marker, f"interrupted ({getattr(e, 'name', 'SIGINT')})")
-            raise
-        except trial_mod.BadInput:
-            t.set_user_attr(storage.LOST, "bad input: the sweep stopped before training")
-            study.set_user_attr(f"{storage.LOST}.{t.number}", "bad input: the sweep stopped before training")
-            study.tell(t, state=TrialState.FAIL)
-            raise
-        except Exception as e:  # noqa: BLE001 - a combination the recipe rejects: this trial fails, the sweep goes on
-            outcome = trial_mod.Outcome("FAILED", None, None, f"{type(e).__name__}: {e}")
-        finally:
-            beat.join()
-        _tell(study, t, outcome)
-        if outcome.run_id:
-            marker.state(outcome.run_id, outcome.state)
-        if phases is not None:
-            phases.lap("tell")
-        end = TrialEnd(t.number, outcome, values, time.perf_counter() - start)
-        tally.ran.append(end)
-        if on_end is not None:
-            on_end(end, study)
-        if phases is not None and totals is not None:
-            phases.lap("report")
-            phases.add("wait", getattr(tracker, "wait_s", 0.0) - wait0)
-            totals.add(phases, t.number)
+        _one(job, resolved, on_end, tracker, study, marker, cache, placement, tally, totals, phases, t, None, time.perf_counter(), wait0)
+
+
+def _one(job: Job, resolved: Resolved, on_end: Callable[[TrialEnd, Any], None] | None, tracker: Any, study: Any, marker: Any, cache: Any,
+         placement: dict[str, Any], tally: Tally, totals: Any, phases: Any, t: Any, values: dict[str, Any] | None, start: float,
+         wait0: float = 0.0) -> None:
+    """One trial, unfused, in this process: trained through the runner, told, its line shown. `values`: already suggested."""
+    from optuna.trial import TrialState
+
+    from mpsrun.recipe.sweep import trial_recipe
+    from mpsrun.sweep import trial as trial_mod
+
+    sweep = resolved.recipe.sweep
+    assert sweep is not None
+    beat = storage.heartbeat_thread(study, t._trial_id)  # noqa: SLF001
+    outcome: Any = None
+    try:
+        values = space.suggest(t, sweep) if values is None else values
+        trial_resolved = trial_recipe(resolved, {**values, **placement})
+        tags = {trial_mod.TRIAL_TAG: str(t.number), "mpsrun.sweep.study": job.study, "mpsrun.sweep": "trial",
+                **{f"mpsrun.sweep.param.{k}": json.dumps(v) for k, v in values.items()}}
+        outcome = trial_mod.run(trial_resolved, t, sweep.metric, sweep.pruner, job.parent_run_id, job.tracking_uri, cache, tags,
+                                tracker=tracker, phases=phases)
+    except KeyboardInterrupt as e:
+        storage.mark_lost(study, t, f"interrupted ({getattr(e, 'name', 'SIGINT')})")
+        _lost_run_after(t, marker, f"interrupted ({getattr(e, 'name', 'SIGINT')})")
+        raise
+    except trial_mod.BadInput:
+        t.set_user_attr(storage.LOST, "bad input: the sweep stopped before training")
+        study.set_user_attr(f"{storage.LOST}.{t.number}", "bad input: the sweep stopped before training")
+        study.tell(t, state=TrialState.FAIL)
+        raise
+    except Exception as e:  # noqa: BLE001 - a combination the recipe rejects: this trial fails, the sweep goes on
+        outcome = trial_mod.Outcome("FAILED", None, None, f"{type(e).__name__}: {e}")
+    finally:
+        beat.join()
+    _finish(study, t, outcome, values or {}, start, marker, tally, on_end, phases)
+    if phases is not None and totals is not None:
+        phases.lap("report")
+        phases.add("wait", getattr(tracker, "wait_s", 0.0) - wait0)
+        totals.add(phases, t.number)
+
+
+def _finish(study: Any, t: Any, outcome: "Outcome", values: dict[str, Any], start: float, marker: Any, tally: Tally,
+            on_end: Callable[[TrialEnd, Any], None] | None, phases: Any = None) -> None:
+    """A trial's end: the study told, its run's state tagged, its line shown."""
+    _tell(study, t, outcome)
+    if outcome.run_id:
+        marker.state(outcome.run_id, outcome.state)
+    if phases is not None:
+        phases.lap("tell")
+    end = TrialEnd(t.number, outcome, values, time.perf_counter() - start)
+    tally.ran.append(end)
+    if on_end is not None:
+        on_end(end, study)
 
 
 def _lost_run_after(t: Any, marker: Any, why: str) -> None:

@@ -1,0 +1,110 @@
+"""Each member of a fused group its own MLflow child run: params, tags, recipe, dataset inputs, per-epoch metrics, end.
+
+Through the worker's MLflow helper (track/records/apart.py): one call creates the group's
+runs, one posted call per epoch logs every member's metrics, one posted call ends the
+members that ended. A member's run carries what an unfused trial's carries (its recipe's
+params, `recipe.yaml`, device and version tags, the trial's tags) plus `mpsrun.sweep.group`
+(the group's id) and `mpsrun.sweep.group_size`, and liveness tags, so `mpsrun runs` shows a
+run whose worker is gone as interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from typing import Any
+
+from mpsrun.sweep.fused.members import Built, Member
+
+GROUP, GROUP_SIZE, FUSED = "mpsrun.sweep.group", "mpsrun.sweep.group_size", "mpsrun.sweep.fused"
+
+
+def _hook(tracker: Any, name: str, *args: Any) -> Any:
+    from mpsrun.train import record
+
+    return record.hook(tracker, name, *args)
+
+
+def _post(tracker: Any, name: str, *args: Any) -> None:
+    from mpsrun.train import record
+
+    record.hook_later(tracker, name, *args)
+
+
+def begin(tracker: Any, b: Built, group_id: str, parent_run_id: str, notes: list[str]) -> None:
+    """Every member's child run created (ids on the members and on their Optuna trials)."""
+    from mpsrun import __version__
+    from mpsrun.devices import resolve as devices
+    from mpsrun.plugins import registry as plugins
+    from mpsrun.recipe.load import flatten
+    from mpsrun.sweep import storage
+    from mpsrun.track.store import liveness
+    from mpsrun.train import record
+
+    base = {**devices.choice_tags(b.choice), **liveness.identity(), "mpsrun.version": __version__, "mpsrun.command": " ".join(sys.argv),
+            "data.path": "resident", "data.path_reason": "the fused group's data lives on the device",
+            "memory.kind": devices.memory_kind(b.device), GROUP: group_id, GROUP_SIZE: str(len(b.members)), FUSED: "true",
+            "mpsrun.mlflow_helper": "fused group: the worker's helper writes every member's run", "mpsrun.model_artifact": "skipped (tracking.log_model: false)"}
+    for kind in ("dataset", "model"):
+        try:
+            ref = plugins.find(kind, getattr(b.members[0].resolved.recipe, kind).name)
+            base[f"plugin.{kind}"] = f"{ref.distribution} {ref.version} ({ref.value})"
+        except Exception:  # noqa: BLE001
+            pass
+    options = {"resolved.precision": "fp32", "resolved.channels_last": "false", "resolved.compile": "false",
+               "resolved.graphs": str(bool(getattr(b, "graphs", False))).lower(), "resolved.cudnn_benchmark": "false"}
+    specs = []
+    for m in b.members:
+        r = m.resolved
+        tags = {**base, **m.tags, "mpsrun.recipe": str(r.path), "mpsrun.overrides": " ".join(r.overrides), **r.recipe.tracking.tags}
+        for i, note in enumerate(notes):
+            tags[f"mpsrun.note.{i}"] = note
+        params = {**flatten(r.as_dict()), **options, "data.train_size": int(b.sources[0][1].shape[0]), "data.val_size": int(b.sources[0][3].shape[0])}
+        specs.append({"run_name": r.recipe.tracking.run_name or f"trial {m.number}", "tags": tags, "parent": parent_run_id,
+                      "params": params, "texts": {"recipe.yaml": r.as_yaml()}})
+    data = None
+    try:
+        fake = types.SimpleNamespace(splits=b.splits, resolved=b.members[0].resolved)
+        splits, _ = record._splits(fake)  # noqa: SLF001 - the same inputs a trial's run gets
+        r0 = b.members[0].resolved.recipe
+        ref = record._plugin("dataset", r0.dataset.name)  # noqa: SLF001
+        source_tags = {"mpsrun.plugin": f"{ref.distribution} {ref.version} ({ref.value})" if ref else r0.dataset.name,
+                       "mpsrun.arguments": json.dumps(r0.dataset.kwargs, default=str)}
+        data = (r0.dataset.name, splits, record._source_path(fake), source_tags)  # noqa: SLF001
+    except Exception:  # noqa: BLE001 - the runs go on without dataset inputs
+        data = None
+    ids = _hook(tracker, "runs_begin", specs, data)
+    for m, rid in zip(b.members, ids):
+        m.run_id = rid
+        try:
+            m.trial.set_user_attr(storage.RUN_ID, rid)
+        except Exception:  # noqa: BLE001 - a trial already finished elsewhere (lost): its run is settled from the study
+            pass
+
+
+def epoch(tracker: Any, rows: list[tuple[Member, int, dict[str, float]]]) -> None:
+    """The members' epoch metrics, as `mpsrun run` names them in MLflow (system/... for the machine's figures)."""
+    from mpsrun.track.records import names
+    from mpsrun.track.store.runs import EPOCHS_DONE_TAG
+
+    out = [(m.run_id, names.to_mlflow(metrics), e, {EPOCHS_DONE_TAG: str(e + 1)}) for m, e, metrics in rows if m.run_id]
+    if out:
+        _post(tracker, "runs_epoch", out)
+
+
+def end(tracker: Any, members: list[Member], notes: list[str], wait: bool = False) -> None:
+    """The members that ended: their run's status (FINISHED, or FAILED with the error), notes and summary tags."""
+    rows = []
+    for m in members:
+        if not m.run_id:
+            continue
+        status = "FAILED" if m.state == "FAILED" else "FINISHED"
+        tags = {"mpsrun.notes": " | ".join(notes) or "none"}
+        if m.state == "PRUNED":
+            tags["mpsrun.sweep.pruned"] = m.message
+        if m.state == "FAILED" and "non-finite" in m.message:
+            tags["mpsrun.nonfinite"] = m.message
+        rows.append((m.run_id, status, tags, m.message if m.state == "FAILED" else None, None))
+    if rows:
+        (_hook if wait else _post)(tracker, "runs_end", rows)

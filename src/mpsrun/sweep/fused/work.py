@@ -1,0 +1,264 @@
+"""The worker's ask/tell loop when trials fuse: ask a group's trials together, train what fuses as one, tell each as it ends.
+
+Optuna is asked for up to a group's size of trials at once (TPE with its constant liar, so
+the ones asked after see the ones still running; random, qmc, grid and CMA-ES's population
+as they are), each told its value when that member ends. Trials whose recipes cannot fuse
+(different widths, batch sizes, optimizers; a recipe feature the fused step lacks) run as
+without fusing, one by one (`run_one`, the worker's own path), and the notes say which and
+why, once. Heartbeats, lost trials and the budget are the worker's as for any trial.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import uuid
+from typing import Any, Callable
+
+from mpsrun.recipe.load import Resolved
+from mpsrun.sweep import space, storage
+from mpsrun.sweep.fused import group as grouping
+
+MAX_GROUP = 256
+STARTUP = 4  # the median pruner's n_startup_trials (space.pruner): it compares with finished trials only
+
+
+def size(resolved: Resolved, placement: dict[str, Any], cache: Any) -> tuple[int, str]:
+    """The largest group and the note that says how it was chosen (sweep.fuse: N, or auto from free memory)."""
+    fuse = resolved.recipe.sweep.fuse if resolved.recipe.sweep else "auto"
+    if fuse != "auto":
+        return int(fuse), f"fuse: groups of up to {int(fuse)} trials (sweep.fuse: {fuse})"
+    from mpsrun.devices import resolve as devices
+    from mpsrun.recipe.sweep import trial_recipe
+    from mpsrun.sweep.fused.members import member_bytes
+    from mpsrun.train import runner
+    from mpsrun.train.loop.data import raw_tensors
+
+    r = trial_recipe(resolved, placement)
+    try:
+        device = devices.resolve(r.recipe.device, r.recipe.device_fallback).device
+        splits = cache.get(r)
+        runner.seed_everything(r.recipe.seed)
+        model = runner.build_model(r.recipe, splits)
+        x = raw_tensors(splits.train)
+        sample = splits.transform(x[0][:1]).squeeze(0) if x is not None and splits.transform is not None else x[0][0] if x is not None else None
+        per = member_bytes(model, r.recipe.batch_size, sample) if sample is not None else sum(p.numel() for p in model.parameters()) * 16
+    except Exception as e:  # noqa: BLE001 - the first group finds the problem again and says it
+        return 16, f"fuse: groups of up to 16 trials (auto could not estimate a member's memory: {type(e).__name__}: {e})"
+    free = devices.free_memory_bytes(device)
+    where = f"{device}"
+    if free is None:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 8 * 2**30
+        where = f"{device} (available host memory)"
+    n = max(1, min(MAX_GROUP, int(free * 0.5 // max(per, 1))))
+    return n, (f"fuse: groups of up to {n} trials (sweep.fuse: auto; {free / 2**30:.1f} GiB free on {where}, "
+               f"about {per / 2**20:.2f} MiB a member: half the free memory, at most {MAX_GROUP})")
+
+
+class Said:
+    """The notes of a worker's fused groups, each said once (trial numbers gathered per reason)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.alone: dict[str, list[int]] = {}
+
+    def add(self, line: str) -> None:
+        if line not in self.lines:
+            self.lines.append(line)
+
+    def unfused(self, number: int, why: str) -> None:
+        self.alone.setdefault(why, []).append(number)
+
+    def all(self) -> list[str]:
+        out = list(self.lines)
+        for why, numbers in self.alone.items():
+            out.append(f"fuse: trial{'s' if len(numbers) > 1 else ''} {', '.join(map(str, sorted(numbers)))} ran unfused: {why}")
+        return out
+
+
+def loop(job: Any, resolved: Resolved, index: int, tracker: Any, study: Any, marker: Any, cache: Any, placement: dict[str, Any],
+         run_one: Callable[[Any, dict[str, Any]], None], finish: Callable[[Any, Any, dict[str, Any], float], None], said: Said) -> None:
+    """Groups until the study holds `job.target` counted trials. `run_one(t, values)`: a trial unfused (the worker's path);
+    `finish(t, outcome, values, start)`: tell the study, tag the run, show the line."""
+    from mpsrun.recipe.sweep import trial_recipe
+    from mpsrun.sweep.trial import Outcome
+
+    sweep = resolved.recipe.sweep
+    assert sweep is not None
+    most, note = size(resolved, placement, cache)
+    said.add(note)
+    data: dict[str, Any] = {}
+    while True:
+        storage.reap(study, lambda t, why: _lost(t, f"its worker died ({why})", marker))
+        done, running = storage.budget(study, job.target)
+        left = job.target - done - running
+        if left <= 0:
+            break
+        n = min(most, left)
+        if sweep.pruner == "median" and done < STARTUP:
+            n = min(n, STARTUP - done)
+            said.add(f"fuse: the median pruner compares with finished trials, so the first {STARTUP} train as groups of their own")
+        asked = []
+        for _ in range(n):
+            t = study.ask()
+            for k, v in storage.me().items():
+                t.set_user_attr(k, v)
+            if storage.over_budget(study, t, job.target):
+                from optuna.trial import TrialState
+
+                t.set_user_attr(storage.SURPLUS, "the budget was reached by other workers")
+                study.tell(t, state=TrialState.FAIL)
+                break
+            start = time.perf_counter()
+            try:
+                values = space.suggest(t, sweep)
+                asked.append((t, values, trial_recipe(resolved, {**values, **placement}), start))
+            except Exception as e:  # noqa: BLE001 - a combination the recipe rejects: this trial fails, the sweep goes on
+                finish(t, Outcome("FAILED", None, None, f"{type(e).__name__}: {e}"), {}, start)
+        if not asked:
+            continue  # every trial asked failed before training (or another worker took the last place): the budget says
+        groups, alone = grouping.partition(asked, lambda it: it[2], most)
+        for (t, values, _r, _s), why in alone:
+            said.unfused(t.number, why)
+            run_one(t, values)
+        for g in groups:
+            _group(job, sweep, g, tracker, study, marker, data, run_one, finish, said, index)
+
+
+def _lost(t: Any, why: str, marker: Any) -> None:
+    run_id = t.user_attrs.get(storage.RUN_ID)
+    if run_id:
+        marker.lost(run_id, why)
+
+
+def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, marker: Any, data: dict[str, Any],
+           run_one: Callable, finish: Callable, said: Said, index: int) -> None:
+    """One fused group, from its members' build to each one's end."""
+    from mpsrun.sweep import trial as trial_mod
+    from mpsrun.sweep.fused import engine, members, record
+
+    from mpsrun.sweep import trace
+
+    lap = trace.Phases() if trace.enabled() else None
+    mems = [members.Member(t, values, r, _tags(job, t, values)) for t, values, r, _ in items]
+    starts = {m.number: s for m, (_, _, _, s) in zip(mems, items)}
+    beats = [storage.heartbeat_thread(study, m.trial._trial_id) for m in mems]  # noqa: SLF001
+    try:
+        try:
+            b = members.build(mems, data)
+        except (members.Unfusable, Exception) as e:  # noqa: BLE001 - the group's trials run one by one, as without fusing
+            why = str(e) if isinstance(e, members.Unfusable) else f"the group could not be built ({type(e).__name__}: {e})"
+            for m in mems:
+                said.unfused(m.number, why)
+            for m in mems:
+                run_one(m.trial, m.values)
+            return
+        if b.device.type == "cuda":
+            said.add("fuse: on CUDA the fused step runs eager (not captured in CUDA graphs yet): a skipped optimisation")
+        gid = f"{index}-{uuid.uuid4().hex[:8]}"
+        notes = [f"fused: trained with {len(mems) - 1} other trial{'s' if len(mems) > 2 else ''} as one step (group {gid})"]
+        if b.device.type == "cuda":
+            notes.append("graphs: the fused step runs eager on CUDA (CUDA graphs not captured for fused groups yet)")
+        if lap is not None:
+            lap.lap("prepare")
+        record.begin(tracker, b, gid, job.parent_run_id, notes)
+        if lap is not None:
+            lap.lap("open")
+        g = engine.Group(b)
+        rows: list[tuple] = []
+        ended: list[members.Member] = []
+
+        def on_epoch(m: members.Member, e: int, metrics: dict[str, float]) -> tuple[str, str] | None:
+            rows.append((m, e, metrics))
+            bad = engine.nonfinite(metrics, e, b.epochs)
+            value = metrics.get(sweep.metric)
+            if value is None:
+                return "FAILED", f"KeyError: sweep.metric '{sweep.metric}' is not among this run's metrics: {', '.join(sorted(metrics))}"
+            m.value = float(value)
+            if bad:
+                ended.append(m)
+                return "FAILED", bad
+            if not math.isfinite(m.value):
+                return None
+            m.trial.report(m.value, e)
+            if e + 1 < b.epochs and m.trial.should_prune():
+                ended.append(m)
+                return "PRUNED", f"pruned by Optuna's {sweep.pruner} pruner after epoch {e + 1} ({sweep.metric} {m.value:.6g})"
+            return None
+
+        def listen(e: int, seconds: float) -> None:
+            record.epoch(tracker, rows)
+            rows.clear()
+            if ended:
+                _end(ended, tracker, notes, finish, starts, trial_mod)
+                ended.clear()
+
+        threads = torch_threads(b.device)
+        try:
+            g.run(on_epoch, listen)
+        except KeyboardInterrupt as e:
+            why = f"interrupted ({getattr(e, 'name', 'SIGINT')})"
+            for m in g.active:
+                storage.mark_lost(study, m.trial, why)
+                m.state, m.message = "FAILED", why
+            record.end(tracker, g.active, notes, wait=True)
+            for m in g.active:
+                if m.run_id:
+                    marker.state(m.run_id, "FAILED", counted=False, why=why)
+            raise
+        except Exception as e:  # noqa: BLE001 - out of memory, a layer that failed: the group's running members fail with it
+            for m in g.active:
+                m.state, m.message = "FAILED", f"{type(e).__name__}: {e}"
+        finally:
+            if threads:
+                import torch
+
+                torch.set_num_threads(threads)
+        if lap is not None:
+            lap.lap("train")
+        _end([m for m in g.active], tracker, notes, finish, starts, trial_mod)
+        if lap is not None:
+            lap.lap("close")
+            trace.emit(lap.line(index, -len(mems)).replace("sweep-trace ", "sweep-trace-group ", 1))
+    finally:
+        for beat in beats:
+            beat.join()
+
+
+def torch_threads(device: Any) -> int:
+    """On the CPU the group runs on one thread (returns the count to give back; 0: unchanged).
+
+    Why: the fused CPU step is many small kernels (a member's matmuls one by one, for its exact
+    numbers); on the 2-core machine, with two threads they waited on each other: 16 digits members
+    trained 3 epochs in 1.7 s on one thread and 13-20 s on two while other processes held the cores.
+    """
+    if device.type != "cpu":
+        return 0
+    import torch
+
+    n = torch.get_num_threads()
+    if n > 1:
+        torch.set_num_threads(1)
+        return n
+    return 0
+
+
+def _end(ended: list[Any], tracker: Any, notes: list[str], finish: Callable, starts: dict[int, float], trial_mod: Any) -> None:
+    """Members that ended: their runs closed, then the study told (as a trial's end is, in that order)."""
+    from mpsrun.sweep.fused import record
+
+    for m in ended:
+        if m.state == "COMPLETE" and (m.value is None or not math.isfinite(m.value)):
+            m.state, m.message = "FAILED", f"the metric is {m.value} at the last epoch"
+    record.end(tracker, ended, notes)
+    for m in ended:
+        finish(m.trial, trial_mod.Outcome(m.state, m.value, m.run_id, m.message), m.values, starts.get(m.number, time.perf_counter()))
+
+
+def _tags(job: Any, t: Any, values: dict[str, Any]) -> dict[str, str]:
+    from mpsrun.sweep.parent import TRIAL_TAG
+
+    return {TRIAL_TAG: str(t.number), "mpsrun.sweep.study": job.study, "mpsrun.sweep": "trial",
+            **{f"mpsrun.sweep.param.{k}": json.dumps(v) for k, v in values.items()}}

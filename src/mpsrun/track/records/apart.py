@@ -1,0 +1,83 @@
+"""Record hooks for runs other than the one a tracker writes: a fused sweep group's members, each its own child run.
+
+A fused group trains several trials in one process at once; the worker's MLflow helper
+writes one run at a time (`store.Tracker`), so these hooks take explicit run ids and
+write through the helper's client, in batches: one call creates every member's run (its
+tags, params, recipe text and dataset inputs, the datasets built and digested once for
+the group), one call per epoch logs every member's metrics, one call ends those that ended.
+Re-exported by `hooks` (the helper looks hooks up there).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def runs_begin(t: Any, specs: list[dict[str, Any]], data: tuple | None = None) -> list[str]:
+    """Create each spec's run ({run_name, tags, parent, params, texts}); returns their ids, in order.
+
+    `data`: (dataset name, splits, source path, source tags), logged as every run's dataset inputs.
+    """
+    from mlflow.entities import DatasetInput, InputTag, Param, RunTag
+
+    from mpsrun.track.records import datasets as track_datasets
+    from mpsrun.track.records import standard
+    from mpsrun.track.store.client import _param_value
+
+    inputs: list[Any] = []
+    if data is not None:
+        try:
+            items = track_datasets.datasets_for(*data)
+            inputs = [DatasetInput(ds._to_mlflow_entity(), tags=[InputTag(key="mlflow.data.context", value=ctx)]) for ds, ctx in items]
+        except Exception:  # noqa: BLE001 - the runs go on without their inputs (the member's notes say so)
+            inputs = []
+    try:
+        standard.mark_experiment(t.c, t.experiment_id)
+    except Exception:  # noqa: BLE001
+        pass
+    ids = []
+    for s in specs:
+        tags = {**s["tags"], "mlflow.parentRunId": s["parent"]}
+        run = t.c.create_run(t.experiment_id, run_name=s.get("run_name"), tags=tags)
+        rid = run.info.run_id
+        params = [Param(k, _param_value(v)) for k, v in sorted(s.get("params", {}).items())]
+        for i in range(0, len(params), 100):
+            t.c.log_batch(rid, params=params[i : i + 100])
+        for name, text in s.get("texts", {}).items():
+            t.c.log_text(rid, text, name)
+        if inputs:
+            try:
+                t.c.log_inputs(rid, datasets=inputs)
+            except Exception:  # noqa: BLE001
+                t.c.log_batch(rid, tags=[RunTag("mpsrun.note.datasets", "datasets: not logged as MLflow inputs")])
+        ids.append(rid)
+    return ids
+
+
+def runs_epoch(t: Any, rows: list[tuple[str, dict[str, float], int, dict[str, str]]]) -> None:
+    """Each (run id, metrics, step, tags): one batch per run. Posted without waiting; never raises."""
+    from mlflow.entities import Metric, RunTag
+
+    ts = int(time.time() * 1000)
+    for rid, metrics, step, tags in rows:
+        try:
+            t.c.log_batch(rid, metrics=[Metric(k, float(v), ts, step) for k, v in metrics.items()],
+                          tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        except Exception:  # noqa: BLE001 - a metric is not worth the group; the study holds the value
+            continue
+
+
+def runs_end(t: Any, ends: list[tuple[str, str, dict[str, str], str | None, str | None]]) -> None:
+    """Each (run id, status, tags, error message, traceback): tags, the error as `mpsrun.error` and error.txt, the status."""
+    from mlflow.entities import RunTag
+
+    for rid, status, tags, message, tb in ends:
+        try:
+            extra = {"mpsrun.error": message} if message else {}
+            t.c.log_batch(rid, tags=[RunTag(k, str(v)[:5000]) for k, v in {**tags, **extra}.items()])
+            if message:
+                t.c.log_text(rid, tb or message, "error.txt")
+            t.c.set_terminated(rid, status)
+        except Exception:  # noqa: BLE001 - the next run's end still goes in
+            continue
