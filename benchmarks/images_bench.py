@@ -168,8 +168,14 @@ def dataloader_run(root: Path, a: argparse.Namespace, device: torch.device, work
     return statistics.median(rates[1:] or rates)
 
 
-def engine_run(train_ds, val_ds, transform, train_transform, a: argparse.Namespace, device: torch.device, input_shape) -> tuple[float, list[str]]:  # type: ignore[no-untyped-def]
-    """(b) and (c): mpsrun's engine (the loop `mpsrun run` drives), resident data; steady training img/s."""
+def engine_run(train_ds, val_ds, transform, train_transform, a: argparse.Namespace, device: torch.device, input_shape,  # type: ignore[no-untyped-def]
+               resident: bool | str = True) -> tuple[float, list[str], str]:
+    """(b) and (c): mpsrun's engine (the loop `mpsrun run` drives); steady training img/s, the notes, where the data was.
+
+    resident: True (copied onto the device), False (left on the host: batches gathered on a thread into pinned
+    buffers, copied on a side stream, the same CUDA graphs), "auto" (a split over the host budget streams from disk).
+    The fused batch-norm and max-pool kernels are on where `mpsrun run` turns them on (CUDA graphs, channels_last).
+    """
     from mpsrun.train.loop.data import plan_batches
     from mpsrun.train.loop.engine import Listener, Options, train
 
@@ -180,13 +186,38 @@ def engine_run(train_ds, val_ds, transform, train_transform, a: argparse.Namespa
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     plan = plan_batches(train_ds, val_ds, batch_size=a.batch, device=device, seed=0, transform=transform, train_transform=train_transform,
-                        resident=True, max_bytes=64 * 2**30, free_bytes=None)
+                        resident=resident, max_bytes=64 * 2**30, free_bytes=None)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    options = Options(precision="bf16" if a.bf16 else "fp32", channels_last=a.channels_last, graphs=device.type == "cuda",
-                      cudnn_benchmark=device.type == "cuda")
+    graphs = device.type == "cuda" and plan.graphable
+    options = Options(precision="bf16" if a.bf16 else "fp32", channels_last=a.channels_last, graphs=graphs, cudnn_benchmark=device.type == "cuda")
+    if graphs and a.channels_last:  # as `mpsrun run` does (train/assemble.py): the kernels run inside the replays
+        from mpsrun.train.kernels import fused_norm, fused_pool
+
+        options.fused_norm = bool(fused_norm.candidates(model))
+        options.fused_pool = bool(fused_pool.candidates(model))
     result = train(model, opt, plan, device, a.epochs, options, Listener())
     rates = [e.train_samples_per_s for e in result.epochs]
-    return statistics.median(rates[1:] or rates), options.notes
+    where = "resident" if plan.resident else getattr(plan.train, "path_name", "dataloader")
+    fused = [k for k in ("fused_norm", "fused_pool") if getattr(options, k)]
+    return statistics.median(rates[1:] or rates), options.notes, f"{where}, graphs {'on' if options.graphs else 'off'}" + (f", {' + '.join(fused)}" if fused else "")
+
+
+def listing_run(n: int, tmp: Path, say: Callable[[str], None]) -> None:
+    """Listing and the cache key of `n` files (empty files named .jpg: neither opens an image), in 10 class folders."""
+    from mpsrun.plugins.builtin.images import cache, scan
+
+    root = tmp / "listing"
+    for c in range(10):
+        (root / f"c{c}").mkdir(parents=True)
+        for i in range(c, n, 10):
+            open(root / f"c{c}" / f"{i:07d}.jpg", "wb").close()
+    os.sync()
+    t0 = time.perf_counter()
+    listing = scan.scan_folder(root)
+    t1 = time.perf_counter()
+    cache.key(listing.all_files(), 224, 224, "rgb", listing.stats)
+    t2 = time.perf_counter()
+    say(f"listing + cache key of {n:,} files: {t2 - t0:.2f} s (listing, one stat per file: {t1 - t0:.2f} s; key: {t2 - t1:.2f} s)")
 
 
 def main() -> None:
@@ -211,6 +242,11 @@ def main() -> None:
     ap.add_argument("--stores", default=None, help="with --build-only: whole builds alternating these stores (MPSRUN_DECODE_STORE, "
                     "e.g. map,pwrite), --repeats rounds, each a fresh cache of the same folder; medians printed")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--paths", default="resident,host,host-reused,stream", help="mpsrun's data paths to time: resident (on the device), "
+                    "host (the cache left on the host, as over resident_max_gb, just built), host-reused (the same, the cache reopened "
+                    "as a later run does), stream (over a host memory budget of --stream-gb: read from disk in shuffled blocks)")
+    ap.add_argument("--stream-gb", type=float, default=None, help="host memory budget of the stream path (default: a quarter of the cache)")
+    ap.add_argument("--listing", type=int, default=0, help="also time listing and the cache key of this many files (e.g. 100000)")
     a = ap.parse_args()
     device = torch.device(a.device)
     own_threads = torch.get_num_threads()
@@ -230,6 +266,8 @@ def main() -> None:
         t0 = time.perf_counter()
         write_folder(root, a.n, a.classes, a.size, max(a.classes * 2, a.n // 50))
         print(f"wrote {a.n:,} {a.size}px JPEGs in {a.classes} classes in {time.perf_counter() - t0:.1f} s", flush=True)
+        if a.listing:
+            listing_run(a.listing, Path(tmp), say)
 
         if a.build_only and a.stores:
             store_ab(root, a, Path(tmp), say)
@@ -262,12 +300,26 @@ def main() -> None:
         if a.build_only:
             say(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
             return
+        cache_bytes = os.path.getsize(Path(splits.info["cache"]) / "images.u8")
+        say(f"cache: {cache_bytes / 2**30:.2f} GiB ({n_all:,} images of {tuple(splits.input_shape)} uint8) at {splits.info['cache']}; "
+            f"over the former default cap (resident_max_gb 2): {'yes' if cache_bytes > 2 * 2**30 else 'no'}")
         # the recipe entries' checked values, as plain objects (so the benchmark needs no pydantic)
         steps = [SimpleNamespace(name="random_resized_crop", args=SimpleNamespace(size=a.crop, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3))),
                  SimpleNamespace(name="random_horizontal_flip", args=SimpleNamespace(p=0.5))]
-        aug = augment.build(steps, splits.transform, tuple(splits.train.tensors[0].shape[1:]))
-        mpsrun_rate, notes = engine_run(splits.train, splits.val, aug.eval, aug.train, a, device, aug.input_shape)
-        say(f"mpsrun (cache, device augmentation): {mpsrun_rate:,.0f} img/s" + (f"  notes: {'; '.join(notes)}" if notes else ""))
+        rates: dict[str, float] = {}
+        for path in a.paths.split(","):
+            if path == "host-reused":  # reopened as a later run does: a fresh map of the cache file
+                splits = image_folder(str(root), size=a.size, workers=a.decode_workers)
+            elif path == "stream":
+                budget = a.stream_gb or max(cache_bytes / 4, 64 * 2**20) / 2**30
+                splits = image_folder(str(root), size=a.size, workers=a.decode_workers, host_max_gb=budget)
+            aug = augment.build(steps, splits.transform, tuple(splits.input_shape))
+            resident = {"resident": True, "host": False, "host-reused": False, "stream": "auto"}[path]
+            rates[path], notes, where = engine_run(splits.train, splits.val, aug.eval, aug.train, a, device, aug.input_shape, resident)
+            budget_note = f", host memory budget {budget:.2f} GiB" if path == "stream" else ""
+            say(f"mpsrun {path} ({where}{budget_note}; cache {splits.info['tags']['mpsrun.data.cache']}, device augmentation): {rates[path]:,.0f} img/s"
+                + (f"  notes: {'; '.join(notes)}" if notes else ""))
+        mpsrun_rate = rates.get("resident") or max(rates.values())
         del splits
 
         # (a) the DataLoader loop, per worker count
@@ -296,7 +348,9 @@ def main() -> None:
             ceiling, _ = engine_run(TensorDataset(x, y), TensorDataset(xv, yv), tf, None, a, device, (3, a.crop, a.crop))
             say(f"same model on resident random uint8 tensors: {ceiling:,.0f} img/s")
 
-    say(f"mpsrun / best DataLoader (num_workers={best_w[0]}, {best_w[1]} torch thread(s)): {mpsrun_rate / loader[best_w]:.2f}x")
+    for path, r in rates.items():
+        say(f"mpsrun {path} / best DataLoader (num_workers={best_w[0]}, {best_w[1]} torch thread(s)): {r / loader[best_w]:.2f}x"
+            + (f"; / mpsrun resident: {r / rates['resident']:.2f}" if "resident" in rates and path != "resident" else ""))
     if ceiling:
         say(f"mpsrun / resident random tensors: {mpsrun_rate / ceiling:.2f} ({100 * (1 - mpsrun_rate / ceiling):.1f}% below)")
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
