@@ -1,0 +1,190 @@
+"""Fused sweeps (sweep/fused/): trials that differ only in values train as one step, each with its solo numbers.
+
+Real digits data, real PyTorch, a real MLflow store; one sweep shared by the integration checks.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import Workdir
+
+BASE = """\
+device: {device}
+epochs: 2
+batch_size: 32
+seed: 0
+dataset:
+  name: digits
+model:
+  name: mlp
+  hidden: [16]
+optimizer:
+  name: {optimizer}
+  lr: 0.05
+tracking:
+  experiment: fused_eq
+"""
+
+PLACE = {"tracking.log_model": False, "tracking.figures": False, "tracking.system_metrics": False, "checkpoint.every": 0}
+
+
+class _Trial:
+    def __init__(self, n: int) -> None:
+        self.number = n
+
+
+def _fused_vs_solo(tmp_path: Path, optimizer: str, variants: list[dict[str, Any]], device: str = "cpu") -> list[tuple[float, float]]:
+    """Each variant trained in one fused group and alone (runner.prepare + the engine): (solo, fused) val_loss per epoch."""
+    from mpsrun.plugins import resolve
+    from mpsrun.recipe.sweep import trial_recipe
+    from mpsrun.sweep.fused import engine, members
+    from mpsrun.train import runner
+    from mpsrun.train.loop.engine import Listener, train
+
+    path = tmp_path / f"{optimizer}.yaml"
+    path.write_text(BASE.format(device=device, optimizer=optimizer))
+    base = resolve(path)
+    recs = [trial_recipe(base, {**v, **PLACE}) for v in variants]
+    mems = [members.Member(_Trial(i), v, r, {}) for i, (v, r) in enumerate(zip(variants, recs))]
+    group = engine.Group(members.build(mems, {}))
+    group.run(lambda m, e, metrics: None)
+    pairs = []
+    for m, r in zip(mems, recs):
+        s = runner.prepare(r)
+        res = train(s.model, s.optimizer, s.plan, s.choice.device, r.recipe.epochs, s.options, Listener(), objective=s.objective)
+        assert len(m.history) == len(res.epochs) == 2
+        for e, em in enumerate(res.epochs):
+            pairs.append((em.val_loss, m.history[e]["val_loss"]))
+            pairs.append((em.train_loss, m.history[e]["train_loss"]))
+            assert em.val_accuracy == m.history[e]["val_accuracy"]
+    return pairs
+
+
+def _worst(pairs: list[tuple[float, float]]) -> float:
+    return max(abs(a - b) / abs(a) for a, b in pairs)
+
+
+def test_sgd_members_with_their_own_seeds_equal_their_solo_runs_on_the_cpu(tmp_path: Path) -> None:
+    variants = [{"optimizer.lr": 0.1, "optimizer.momentum": 0.9},
+                {"optimizer.lr": 0.05, "optimizer.momentum": 0.5, "optimizer.weight_decay": 1e-3, "optimizer.nesterov": True},
+                {"optimizer.lr": 0.3, "seed": 3},  # its own seed: its own initial weights, split and data order
+                {"optimizer.lr": 0.2, "optimizer.momentum": 0.9, "optimizer.weight_decay": 1e-2, "seed": 5, "model.dropout": 0.3}]
+    pairs = _fused_vs_solo(tmp_path, "sgd", variants[:3])
+    assert _worst(pairs) <= 1e-6, pairs  # bit for bit on this machine; the issue asks 1e-4
+
+
+def test_adam_and_adamw_members_equal_their_solo_runs_on_the_cpu(tmp_path: Path) -> None:
+    adam = [{"optimizer.lr": 3e-3}, {"optimizer.lr": 1e-2, "optimizer.weight_decay": 1e-3, "seed": 2}, {"optimizer.lr": 1e-3, "optimizer.betas": [0.8, 0.99]}]
+    assert _worst(_fused_vs_solo(tmp_path, "adam", adam)) <= 1e-6
+    adamw = [{"optimizer.lr": 3e-3, "model.dropout": 0.2}, {"optimizer.lr": 1e-2, "optimizer.weight_decay": 0.1, "seed": 2, "model.dropout": 0.4}]
+    assert _worst(_fused_vs_solo(tmp_path, "adamw", adamw)) <= 1e-6  # dropout: each member's masks from its own generator
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device: the fused step on CUDA (eager) against solo runs")
+def test_fused_members_on_cuda_follow_their_solo_runs(tmp_path: Path) -> None:
+    variants = [{"optimizer.lr": 0.1, "optimizer.momentum": 0.9}, {"optimizer.lr": 0.05, "seed": 3}]
+    assert _worst(_fused_vs_solo(tmp_path, "sgd", variants, device="cuda")) <= 1e-3
+
+
+SWEEP = """\
+device: cpu
+epochs: 2
+batch_size: 32
+seed: 0
+dataset:
+  name: digits
+model:
+  name: mlp
+  hidden: [16]
+optimizer:
+  name: sgd
+  lr: 0.05
+  momentum: 0.5
+tracking:
+  experiment: fused_sweep
+sweep:
+  metric: val_loss
+  sampler: grid
+  trials: 4
+  params:
+    optimizer.lr: [0.05, 0.2, 1.0e+12]
+    model.hidden: [[16], [8]]
+"""
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory: pytest.TempPathFactory, template_db: Path) -> Any:
+    """One fused sweep for the checks below: lr 0.05, 0.2 and 1e12 (diverges) fuse by width; grid of 6, 4 trials asked."""
+    import shutil
+
+    d = tmp_path_factory.mktemp("fused")
+    (d / "mlruns").mkdir()
+    shutil.copy(template_db, d / "mlruns" / "mlflow.db")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(d)
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        work = Workdir(d)
+        path = work.write("fs.yaml", SWEEP.replace("trials: 4", "trials: 6"))
+        r = work.cli("sweep", str(path))
+        runs = work.runs("fused_sweep")
+        yield work, r, runs
+
+
+def test_fused_trials_are_child_runs_with_group_tags(swept: Any) -> None:
+    work, r, runs = swept
+    assert r.exit_code == 0, r.output
+    kids = [k for k in runs if k.data.tags.get("mpsrun.sweep") == "trial"]
+    assert len(kids) == 6
+    fused = [k for k in kids if "mpsrun.sweep.group" in k.data.tags]
+    assert len(fused) == 6, [k.data.tags for k in kids]
+    by_group: dict[str, list] = {}
+    for k in fused:
+        by_group.setdefault(k.data.tags["mpsrun.sweep.group"], []).append(k)
+    assert sorted(len(v) for v in by_group.values()) == [3, 3]  # one group per width
+    assert all(k.data.tags["mpsrun.sweep.group_size"] == "3" for k in fused)
+    assert all({"optimizer.lr", "model.hidden"} <= set(k.data.params) and len(work.history(k.info.run_id, "val_loss")) >= 1 for k in fused)
+    parent = [k for k in runs if k.data.tags.get("mpsrun.sweep") == "parent"][0]
+    assert "fuse: groups of up to" in parent.data.tags["mpsrun.notes"] and "fuse: groups of up to" in r.output
+
+
+def test_a_diverging_member_fails_alone_and_the_others_complete(swept: Any) -> None:
+    work, r, runs = swept
+    kids = [k for k in runs if k.data.tags.get("mpsrun.sweep") == "trial"]
+    bad = [k for k in kids if k.data.params["optimizer.lr"] == "1000000000000.0"]
+    good = [k for k in kids if k.data.params["optimizer.lr"] != "1000000000000.0"]
+    assert len(bad) == 2 and len(good) == 4
+    assert all(k.data.tags["mpsrun.sweep.state"] == "FAILED" and k.info.status == "FAILED" for k in bad)
+    assert all("non-finite" in k.data.tags["mpsrun.error"] for k in bad)
+    assert all(k.data.tags["mpsrun.sweep.state"] == "COMPLETE" and k.info.status == "FINISHED" for k in good)
+    assert all(len(work.history(k.info.run_id, "val_loss")) == 2 and math.isfinite(k.data.metrics["val_loss"]) for k in good)
+
+
+def test_best_recipe_reproduces_the_best_fused_trial(swept: Any) -> None:
+    work, r, runs = swept
+    parent = [k for k in runs if k.data.tags.get("mpsrun.sweep") == "parent"][0]
+    best = [k for k in runs if k.info.run_id == parent.data.tags["mpsrun.sweep.best_run_id"]][0]
+    assert "mpsrun.sweep.group" in best.data.tags
+    c = work.client()
+    best_yaml = Path(c.download_artifacts(parent.info.run_id, "best_recipe.yaml", str(work.path)))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(work.path)
+        again = work.cli("run", str(best_yaml), "-q")
+    assert again.exit_code == 0, again.output
+    rerun = [x for x in work.runs("fused_sweep") if "mpsrun.sweep" not in x.data.tags][0]
+    solo = [v for _, v in work.history(rerun.info.run_id, "val_loss")]
+    fused = [v for _, v in work.history(best.info.run_id, "val_loss")]
+    assert len(solo) == len(fused) == 2
+    assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(solo, fused)), (solo, fused)
+
+
+def test_fuse_off_runs_every_trial_as_before(work: Workdir) -> None:
+    path = work.write("off.yaml", SWEEP.replace("1.0e+12", "0.1").replace("trials: 4", "trials: 2\n  fuse: off").replace("experiment: fused_sweep", "experiment: fused_off"))
+    r = work.cli("sweep", str(path))
+    assert r.exit_code == 0, r.output
+    kids = [k for k in work.runs("fused_off") if k.data.tags.get("mpsrun.sweep") == "trial"]
+    assert len(kids) == 2 and not any("mpsrun.sweep.group" in k.data.tags for k in kids)
