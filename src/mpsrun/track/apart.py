@@ -5,13 +5,19 @@ writes one run at a time (`store.Tracker`), so these hooks take explicit run ids
 write through the helper's client, in batches: one call creates every member's run (its
 tags, params, recipe text and dataset inputs, the datasets built and digested once for
 the group), one call per epoch logs every member's metrics, one call ends those that ended.
-Re-exported by `hooks` (the helper looks hooks up there).
+Re-exported by `track.records.hooks` (the helper looks hooks up there).
 """
 
 from __future__ import annotations
 
 import time
 from typing import Any
+
+
+def _param_value(v: Any) -> str:
+    """As store.client writes a param (not imported from there: the store imports the hooks)."""
+    s = "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+    return s[:6000]
 
 
 def runs_begin(t: Any, specs: list[dict[str, Any]], data: tuple | None = None) -> list[str]:
@@ -23,7 +29,6 @@ def runs_begin(t: Any, specs: list[dict[str, Any]], data: tuple | None = None) -
 
     from mpsrun.track.records import datasets as track_datasets
     from mpsrun.track.records import standard
-    from mpsrun.track.store.client import _param_value
 
     inputs: list[Any] = []
     if data is not None:

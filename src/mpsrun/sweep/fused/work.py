@@ -161,6 +161,7 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
         notes = [f"fused: trained with {len(mems) - 1} other trial{'s' if len(mems) > 2 else ''} as one step (group {gid})"]
         if b.device.type == "cuda":
             notes.append("graphs: the fused step runs eager on CUDA (CUDA graphs not captured for fused groups yet)")
+        _check_metric(sweep, b, mems, study)
         if lap is not None:
             lap.lap("prepare")
         record.begin(tracker, b, gid, job.parent_run_id, notes)
@@ -225,6 +226,31 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
     finally:
         for beat in beats:
             beat.join()
+
+
+def _check_metric(sweep: Any, b: Any, mems: list[Any], study: Any) -> None:
+    """A metric this task never logs is bad input (exit 2), found before training, as a trial's own check finds it."""
+    from optuna.trial import TrialState
+
+    from mpsrun.recipe.problems import did_you_mean
+    from mpsrun.sweep import trial as trial_mod
+    from mpsrun.train.assemble import metric_names
+
+    names = metric_names(types_objective(b.members[0]))
+    if sweep.metric in names:
+        return
+    for m in mems:
+        m.trial.set_user_attr(storage.LOST, "bad input: the sweep stopped before training")
+        study.set_user_attr(f"{storage.LOST}.{m.number}", "bad input: the sweep stopped before training")
+        study.tell(m.trial, state=TrialState.FAIL)
+    raise trial_mod.BadInput(f"sweep.metric: this run never logs '{sweep.metric}'{did_you_mean(sweep.metric, names)}; it logs {', '.join(names)}")
+
+
+def types_objective(m: Any) -> Any:
+    """What `assemble.metric_names` reads of an objective: its metrics and whether it clips (fused members never do)."""
+    import types
+
+    return types.SimpleNamespace(metrics=m.metrics, grad_norm=None)
 
 
 def torch_threads(device: Any) -> int:

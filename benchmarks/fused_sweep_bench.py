@@ -1,0 +1,272 @@
+"""Fused sweeps (sweep.fuse) against what they replace, side by side in one run, with the real commands.
+
+cpu  (the 2-core target): a 16-trial digits sweep (lr, weight decay, momentum; 3 epochs) fused, and with
+     `fuse: off`, against ONE `mpsrun run` of the recipe. Target: fused at most 1.5x the run's wall time.
+cuda (the H100 target):
+  (a) 64 trials of the fashion recipe (recipes/fashion_mlp_mps.yaml's model, device cuda, 5 epochs; lr,
+      weight decay, seed), fused, against one `mpsrun run` of one trial. Target: at most 3x.
+  (b) a small CNN on 32x32 images (the `synthetic` dataset, 3x32x32), 16 trials: fused against `fuse: off`
+      with one worker, trials per second. Target: at least 4x.
+  (c) the curve: trial-epochs per second for fused groups of 1, 4, 16, 64, 256 fashion members, in process
+      (sweep/fused's engine alone, no MLflow), and a torch.profiler table of the largest group's epoch.
+Every sweep's trials are checked: a FAILED trial makes the row NOT A TIMING. FashionMNIST is written
+with mpsrun.testing.idx (no download). `--tiny` runs every part small (CPU-checkable).
+
+    python benchmarks/fused_sweep_bench.py --device cpu
+    python benchmarks/fused_sweep_bench.py --device cuda --out $OUT
+    python benchmarks/fused_sweep_bench.py --device cpu --tiny --gpu-parts   # the cuda parts, tiny, on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sweep_bench import failed_trials, folder, machine, timed  # noqa: E402
+
+DIGITS = """\
+device: cpu
+epochs: 3
+batch_size: 32
+seed: 0
+dataset:
+  name: digits
+model:
+  name: mlp
+  hidden: [64]
+optimizer:
+  name: sgd
+  lr: 0.05
+  momentum: 0.9
+tracking:
+  experiment: fused_bench
+sweep:
+  metric: val_loss
+  trials: {trials}
+  sampler: tpe
+  fuse: {fuse}
+  params:
+    optimizer.lr: {{low: 1.0e-3, high: 0.5, log: true}}
+    optimizer.weight_decay: {{low: 1.0e-6, high: 1.0e-2, log: true}}
+    optimizer.momentum: {{low: 0.0, high: 0.95}}
+"""
+
+FASHION = """\
+device: {device}
+epochs: {epochs}
+batch_size: 64
+seed: 0
+dataset:
+  name: fashion_mnist
+  root: {root}
+  download: false
+model:
+  name: mlp
+  hidden: [512, 512]
+optimizer:
+  name: sgd
+  lr: 0.01
+tracking:
+  experiment: fused_bench_fashion
+sweep:
+  metric: val_loss
+  trials: {trials}
+  sampler: random
+  fuse: {fuse}
+  params:
+    optimizer.lr: {{low: 1.0e-3, high: 0.1, log: true}}
+    optimizer.weight_decay: {{low: 1.0e-6, high: 1.0e-3, log: true}}
+    seed: {{low: 0, high: 1000}}
+"""
+
+CNN = """\
+device: {device}
+epochs: {epochs}
+batch_size: 128
+seed: 0
+dataset:
+  name: synthetic
+  shape: [3, 32, 32]
+  train_size: {train}
+  val_size: {val}
+model:
+  name: cnn
+  channels: [32, 64]
+  hidden: 128
+  dropout: 0.0
+optimizer:
+  name: sgd
+  lr: 0.01
+  momentum: 0.9
+tracking:
+  experiment: fused_bench_cnn
+sweep:
+  metric: val_loss
+  trials: {trials}
+  sampler: random
+  fuse: {fuse}
+  params:
+    optimizer.lr: {{low: 1.0e-3, high: 0.1, log: true}}
+    optimizer.momentum: {{low: 0.0, high: 0.95}}
+"""
+
+
+def checked(d: Path) -> str:
+    bad = failed_trials(d)
+    return f" {bad}" if bad else ""
+
+
+def cpu(base: Path, trials: int, repeats: int) -> list[tuple[str, float, str]]:
+    d, on = folder(base, "digits", DIGITS.format(trials=trials, fuse="auto"))
+    off = d / "off.yaml"
+    off.write_text(DIGITS.format(trials=trials, fuse="off"))
+    timed(["run", str(on), "-q"], d)  # warm-up: the store, the page cache
+    ones, fused, unfused = [], [], []
+    for i in range(repeats):
+        ones.append(timed(["run", str(on), "-q"], d))
+        fused.append(timed(["sweep", str(on), "--study", f"on{i}", "-q"], d))
+        unfused.append(timed(["sweep", str(off), "--study", f"off{i}", "-q"], d))
+    one, f, u = statistics.median(ones), statistics.median(fused), statistics.median(unfused)
+    pairs = ", ".join(f"{a / b:.2f}x" for a, b in zip(fused, ones))
+    return [(f"one `mpsrun run` (3 epochs), median of {repeats}", one, "1.00x"),
+            (f"`mpsrun sweep`, {trials} trials, fused (auto), median of {repeats}", f, f"{f / one:.2f}x (target <= 1.5x; pairs {pairs}){checked(d)}"),
+            (f"`mpsrun sweep`, {trials} trials, fuse: off, median of {repeats}", u, f"{u / one:.2f}x")]
+
+
+def gpu(base: Path, device: str, tiny: bool) -> list[tuple[str, float, str]]:
+    from mpsrun.testing.idx import write_idx_dataset
+
+    data = base / "data"
+    n_train, n_test = (2000, 500) if tiny else (60000, 10000)
+    write_idx_dataset(data, "FashionMNIST", n_train=n_train, n_test=n_test, seed=0)
+    trials, epochs = (4, 1) if tiny else (64, 5)
+    rows: list[tuple[str, float, str]] = []
+    d, on = folder(base, "fashion", FASHION.format(device=device, epochs=epochs, root=data, trials=trials, fuse="auto"))
+    timed(["run", str(on), "-q"], d)  # warm-up: the store, CUDA's first context, the page cache
+    one = timed(["run", str(on), "-q"], d)
+    sweep = timed(["sweep", str(on), "-q"], d, "fashion fused")
+    rows += [(f"fashion: one `mpsrun run` ({epochs} epochs)", one, "1.00x"),
+             (f"fashion: `mpsrun sweep`, {trials} trials, fused", sweep, f"{sweep / one:.2f}x (target <= 3x){checked(d)}")]
+    ct, cepochs, train, val = (4, 1, 512, 128) if tiny else (16, 5, 50000, 10000)
+    d2, con = folder(base, "cnn", CNN.format(device=device, epochs=cepochs, train=train, val=val, trials=ct, fuse="auto"))
+    coff = d2 / "off.yaml"
+    coff.write_text(CNN.format(device=device, epochs=cepochs, train=train, val=val, trials=ct, fuse="off"))
+    timed(["run", str(con), "-q"], d2)
+    w_off = timed(["sweep", str(coff), "--study", "off", "-q"], d2)
+    w_on = timed(["sweep", str(con), "--study", "on", "-q"], d2, "cnn fused")
+    rows += [(f"cnn 32x32: `mpsrun sweep`, {ct} trials, fuse: off, 1 worker ({ct / w_off:.3f} trials/s)", w_off, "1.00x"),
+             (f"cnn 32x32: `mpsrun sweep`, {ct} trials, fused ({ct / w_on:.3f} trials/s)", w_on,
+              f"{w_off / w_on:.2f}x the trials per second (target >= 4x){checked(d2)}")]
+    return rows
+
+
+def curve(base: Path, device: str, sizes: list[int], epochs: int, tiny: bool, out: Path | None) -> list[str]:
+    """Trial-epochs per second of fused groups of each size, the engine alone (no MLflow, no Optuna)."""
+    import torch
+
+    from mpsrun.plugins import resolve
+    from mpsrun.recipe.sweep import trial_recipe
+    from mpsrun.sweep.fused import engine, members
+    from mpsrun.sweep.fused.work import torch_threads
+
+    data = base / "data"
+    d = base / "curve"
+    d.mkdir(exist_ok=True)
+    path = d / "f.yaml"
+    path.write_text(FASHION.format(device=device, epochs=epochs, root=data, trials=1, fuse="auto"))
+    resolved = resolve(path)
+    place = {"tracking.log_model": False, "tracking.figures": False, "tracking.system_metrics": False, "checkpoint.every": 0}
+    lines = ["| members | epochs | seconds (after a warm-up epoch) | trial-epochs/s | vs 1 member |", "| ---: | ---: | ---: | ---: | ---: |"]
+    first = None
+    cache: dict = {}
+
+    class T:
+        def __init__(self, n: int) -> None:
+            self.number = n
+
+    for m in sizes:
+        values = [{"optimizer.lr": 0.001 + 0.0001 * i, "optimizer.weight_decay": 1e-5, "seed": i % 4} for i in range(m)]
+        mems = [members.Member(T(i), v, trial_recipe(resolved, {**v, **place}), {}) for i, v in enumerate(values)]
+        try:
+            b = members.build(mems, cache)
+        except Exception as e:  # noqa: BLE001 - out of memory at this size: the row says so
+            lines.append(f"| {m} | - | {type(e).__name__}: {str(e)[:120]} | - | - |")
+            continue
+        threads = torch_threads(b.device)
+        b.epochs = 1
+        g = engine.Group(b)
+        g.run(lambda mem, e, metrics: None)  # warm-up epoch
+        b.epochs = epochs
+        g = engine.Group(b)
+        if b.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        prof = None
+        if m == max(sizes) and out is not None:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.device.type == "cuda" else [])
+            with profile(activities=acts) as prof:
+                g.run(lambda mem, e, metrics: None)
+        else:
+            g.run(lambda mem, e, metrics: None)
+        if b.device.type == "cuda":
+            torch.cuda.synchronize()
+        secs = time.perf_counter() - t0
+        if threads:
+            torch.set_num_threads(threads)
+        rate = m * epochs / secs
+        first = first or rate
+        lines.append(f"| {m} | {epochs} | {secs:.2f} | {rate:.2f} | {rate / first:.1f}x |")
+        if prof is not None and out is not None:
+            key = "cuda_time_total" if b.device.type == "cuda" else "cpu_time_total"
+            (out / f"profile_{m}_members.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=30))
+            lines.append(f"|  | profile of the {m}-member run: {out / f'profile_{m}_members.txt'} | | | |")
+        del g, b, mems
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--trials", type=int, default=16, help="cpu: trials of the digits sweep")
+    ap.add_argument("--repeats", type=int, default=3, help="cpu: interleaved (run, fused sweep, unfused sweep) triples; medians")
+    ap.add_argument("--tiny", action="store_true", help="every part small: checks the script (the GPU parts too, with --gpu-parts) on a CPU")
+    ap.add_argument("--gpu-parts", action="store_true", help="with --device cpu: run the cuda parts (a, b, c) on the CPU")
+    ap.add_argument("--sizes", default="1,4,16,64,256", help="the curve's group sizes")
+    ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for the profile tables and this output (default $OUT)")
+    a = ap.parse_args(argv)
+    out = Path(a.out) if a.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="fused-bench-") as tmp:
+        base = Path(tmp)
+        rows: list[tuple[str, float, str]] = []
+        lines: list[str] = []
+        if a.device == "cpu" and not a.gpu_parts:
+            rows = cpu(base, 4 if a.tiny else a.trials, 1 if a.tiny else a.repeats)
+        else:
+            rows = gpu(base, a.device, a.tiny)
+            sizes = [1, 4] if a.tiny else [int(s) for s in a.sizes.split(",")]
+            lines = curve(base, a.device, sizes, 1 if a.tiny else 3, a.tiny, out)
+    text = [f"\nmachine: {machine(a.device)}", f"command: python benchmarks/fused_sweep_bench.py {' '.join(sys.argv[1:] if argv is None else argv)}", "",
+            "| what | wall (s) | vs baseline |", "| --- | ---: | ---: |"]
+    text += [f"| {w} | {s:.1f} | {r} |" for w, s, r in rows]
+    if lines:
+        text += ["", "Fused groups of fashion members, the engine alone (trial-epochs per second):", ""] + lines
+    print("\n".join(text))
+    if out is not None:
+        (out / "fused_sweep_bench.md").write_text("\n".join(text) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
