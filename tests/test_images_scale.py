@@ -49,6 +49,7 @@ def test_host_batches_are_the_resident_batches_in_the_same_order() -> None:
     for shuffle in (True, False):
         res = ResidentBatches(x, y, 16, torch.device("cpu"), shuffle, seed=5)
         host = HostBatches(MemoryRows(x, y), 16, torch.device("cpu"), shuffle, seed=5)
+        host.gather_threads = 3  # each batch gathered in three parts on a pool, as on a 16-core host
         for epoch in (0, 1):
             res.set_epoch(epoch)
             host.set_epoch(epoch)
@@ -84,7 +85,7 @@ def test_auto_room_on_mps_is_a_share_of_the_recommended_working_set_mps_mock(mon
     monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 16 * 2**30)
     monkeypatch.setattr(torch.mps, "driver_allocated_memory", lambda: 2**30)
     room, how = place.plan_time_room(torch.device("mps"), None)
-    assert room == int(place.SHARE * 16 * 2**30) - 2**30
+    assert room == int(place.MPS_SHARE * 16 * 2**30) - 2**30
     assert "recommended working set" in how
     room, how = place.plan_time_room(torch.device("cuda"), 10**9)
     assert room is None and "measured step" in how  # CUDA: decided after a step, in the engine
@@ -126,6 +127,7 @@ def test_a_cache_five_times_its_budget_streams_within_it_each_byte_once_every_sa
     orders = []
     for epoch in (0, 1):
         hb.set_epoch(epoch)
+        hb.gather_threads = 1 + epoch  # the second epoch copies out of the window on two threads
         src.bytes_read = 0
         base = peak = _rss()
         seen = []

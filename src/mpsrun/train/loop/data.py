@@ -1,10 +1,17 @@
-"""Batching: device-resident fast path, DataLoader path for the rest.
+"""Batching: where the data lives, and the batches the engine takes from there.
 
-Batches are raw (e.g. uint8 images): the engine applies the dataset's transform
-on the device, inside the (possibly graphed) step. The resident path copies the dataset's raw tensors to the device once and each
-epoch gathers them in a new order in a single kernel, so a batch is a free slice
-and no per-sample Python runs. The shuffle order comes from a seeded CPU
-generator, identical on every device, so devices see the same batches.
+Batches are raw (e.g. uint8 images): the engine applies the dataset's transform on the device,
+inside the (possibly graphed) step. Three places, one order:
+- resident: the raw tensors copied to the device once; each epoch gathers them in a new order in
+  a single kernel, so a batch is a free slice and no per-sample Python runs;
+- host (`feed/host.py`): data over the device's room stays in host memory (or the cache's memory
+  map); batches are gathered on a thread into pinned buffers and copied on a side stream while
+  the previous steps run, into the same CUDA graphs' static input;
+- disk (`feed/stream.py`): a cache over the host memory budget is read in shuffled blocks.
+`resident_max_gb: auto` (the default) decides between the first two by what fits beside the model
+(`feed/place.py`; on CUDA after a measured step, `BatchPlan.settle`). The shuffle order comes from a
+seeded CPU generator, identical on every device and on the resident and host paths, so they see
+the same batches.
 """
 
 from __future__ import annotations
@@ -199,7 +206,12 @@ class BatchPlan:
         self.pending = None
         device = self.train.device
         x, y = p.train[0][: p.batch_size].to(device), p.train[1][: p.batch_size].to(device)
-        peak = measure(x, y)
+        try:
+            peak = measure(x, y)
+        except Exception as e:  # the step itself fails: the data stays on the host; the capture or the epoch says why
+            self.reason = (f"resident_max_gb auto: the measured step failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                           f"{place.gib(p.total)} of raw tensors stay on the host")
+            return f"data: {self.reason}"
         row = p.train[0][:1].numel() * p.train[0].element_size()
         static = 2 * graph_steps * p.batch_size * row  # train and validation graphs' inputs
         room, how = place.cuda_room(device, peak, static, graph_steps > 0)

@@ -165,12 +165,14 @@ def _measured_step(trainer: Trainer, x: torch.Tensor, y: torch.Tensor) -> int:
     torch.cuda.synchronize(trainer.device)
     before = torch.cuda.memory_allocated(trainer.device)
     torch.cuda.reset_peak_memory_stats(trainer.device)
+    fused, trainer.fused = trainer.fused, None  # torch's own layers: the fused ones are checked before capture, not here
     try:
         trainer.model.train()
         trainer.train_step(x, y)
         torch.cuda.synchronize(trainer.device)
         return int(torch.cuda.max_memory_allocated(trainer.device) - before)
     finally:
+        trainer.fused = fused
         restore_state(base, trainer.optimizer, snapshot)
         torch.set_rng_state(rng[0])
         torch.cuda.set_rng_state(rng[1], trainer.device)

@@ -142,7 +142,10 @@ class HostBatches:
 
     def _gather(self, epoch: Any, out: tuple[torch.Tensor, torch.Tensor], a: int, b: int, pool: Optional[ThreadPoolExecutor]) -> None:
         """Rows [a, b) of the epoch into `out`, split over the pool's threads where the source allows (memory rows)."""
-        if pool is None or not isinstance(epoch, MemoryEpoch) or b - a < 4 * self.gather_threads:
+        if pool is not None and not isinstance(epoch, MemoryEpoch):  # a disk window: it splits its own copy
+            epoch.fill(out[0], out[1], a, b, pool, self.gather_threads)
+            return
+        if pool is None or b - a < 4 * self.gather_threads:
             epoch.fill(out[0], out[1], a, b)
             return
         cuts = [a + (b - a) * i // self.gather_threads for i in range(self.gather_threads + 1)]
@@ -182,7 +185,7 @@ class HostBatches:
 
         def produce() -> None:
             try:
-                if cuda:
+                if cuda and self.device.index is not None:
                     torch.cuda.set_device(self.device)
                 for a, b in bounds:
                     p = take(free_pin)
@@ -213,15 +216,16 @@ class HostBatches:
         last: Optional[int] = None
         try:
             for _ in bounds:
+                if last is not None and cuda:  # the loop has enqueued its reads of the previous batch: its slot is free after them
+                    used[last].record(torch.cuda.current_stream(self.device))
+                    free_dev.put(last)
+                elif last is not None:  # on the CPU they have run
+                    free_pin.put(last)
+                last = None
                 item = ready.get()
                 if isinstance(item, BaseException):
                     raise item
                 slot, m = item
-                if last is not None and cuda:  # what the loop enqueued on the previous batch has been enqueued: release it
-                    used[last].record(torch.cuda.current_stream(self.device))
-                    free_dev.put(last)
-                elif last is not None:
-                    free_pin.put(last)
                 if cuda:
                     torch.cuda.current_stream(self.device).wait_event(landed[slot])
                     xb, yb = self._dev[slot]
@@ -242,7 +246,9 @@ class HostBatches:
             if pool is not None:
                 pool.shutdown(wait=True)
             epoch.close()
-            if cuda:  # the next epoch's copies start after every step of this one has read its slot
+            if cuda:  # the next epoch's copies start after every step of this one has read its slot, and every copy
+                # begun for it has landed (an epoch left early, e.g. a first batch taken to compile, leaves some in flight)
+                side.synchronize()
                 torch.cuda.current_stream(self.device).synchronize()
 
 

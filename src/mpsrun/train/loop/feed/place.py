@@ -4,8 +4,8 @@
   state and the step's own peak are on the device already: the room is the free memory (the
   driver's, plus what torch's allocator holds unused), less the step's peak again (the CUDA graphs'
   private pool holds one) and the graphs' static input, and the data may take `SHARE` of that.
-- MPS: `SHARE` of `torch.mps.recommended_max_memory()` less what the driver holds already (no
-  step measured: MPS reports no peak).
+- MPS: `MPS_SHARE` of `torch.mps.recommended_max_memory()` less what the driver holds already (no
+  step measured: MPS reports no peak, so half is left to the model, its optimizer and its steps).
 - CPU: the data is in host memory already; it is gathered in the resident way (one shuffled copy
   per epoch) while that copy fits in a quarter of the available memory, else batch by batch.
 A number in the recipe (`resident_max_gb: 4`) is the cap instead, as before.
@@ -21,6 +21,7 @@ import torch
 from mpsrun.plugins.builtin.images.memory import gib, host_available
 
 SHARE = 0.8  # of the room measured on a GPU: fragmentation and the odd workspace take the rest
+MPS_SHARE = 0.5  # of MPS's recommended working set: decided before the model and its step are there (MPS reports no peak)
 CPU_SHARE = 0.25  # of the host's available memory the CPU path's per-epoch shuffled copy may take
 
 
@@ -34,7 +35,7 @@ def plan_time_room(device: torch.device, free_bytes: Optional[int]) -> tuple[Opt
             rec, held = 0, 0
         if rec <= 0:
             return (free_bytes // 2 if free_bytes else 0), "half of the free memory MPS reports"
-        return max(0, int(SHARE * rec) - held), f"{SHARE:.0%} of MPS's recommended working set {gib(rec)} less {gib(held)} in use"
+        return max(0, int(MPS_SHARE * rec) - held), f"{MPS_SHARE:.0%} of MPS's recommended working set {gib(rec)} less {gib(held)} in use"
     if device.type == "cpu":
         avail = host_available()
         if avail is None:

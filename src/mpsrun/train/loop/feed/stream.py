@@ -130,8 +130,11 @@ class DiskEpoch:
         nxt = self.w + 1
         self.ahead = self.pool.submit(self.src._load, self.order, nxt, self.src._bufs[nxt % 2]) if nxt < len(self.order.windows) else None
 
-    def fill(self, out_x: torch.Tensor, out_y: torch.Tensor, a: int, b: int) -> None:
-        """Samples at positions [a, b) of the epoch into out_x[: b - a], out_y[: b - a]; called with increasing positions."""
+    def fill(self, out_x: torch.Tensor, out_y: torch.Tensor, a: int, b: int, pool: Optional[ThreadPoolExecutor] = None, parts: int = 1) -> None:
+        """Samples at positions [a, b) of the epoch into out_x[: b - a], out_y[: b - a]; called with increasing positions.
+
+        pool, parts: the copy out of the window split over `parts` threads (a GPU eats a batch of 256 images of
+        256 px, 50 MB, every 17 ms at 15,000 img/s: more than one thread copies in that time on some hosts)."""
         o = 0
         while a < b:
             while self.w < 0 or a >= self.ends[self.w]:
@@ -141,8 +144,14 @@ class DiskEpoch:
             idx = self.order.local[self.w][a - start : a - start + take]
             assert self.cur is not None
             pix, held = self.cur
-            torch.index_select(pix, 0, idx, out=out_x[o : o + take])
             torch.index_select(self.src.labels, 0, held[idx], out=out_y[o : o + take])
+            if pool is None or parts < 2 or take < 4 * parts:
+                torch.index_select(pix, 0, idx, out=out_x[o : o + take])
+            else:
+                cuts = [take * i // parts for i in range(parts + 1)]
+                jobs = [pool.submit(torch.index_select, pix, 0, idx[s:e], out=out_x[o + s : o + e]) for s, e in zip(cuts, cuts[1:])]
+                for j in jobs:
+                    j.result()
             a += take
             o += take
 
