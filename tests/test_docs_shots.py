@@ -101,19 +101,21 @@ def page():
         b.close()
 
 
-def _left_of_assistant(page) -> dict | None:
-    """MLflow 3 opens its assistant panel beside every page; the pictures are of the run, so leave it out."""
-    panel = page.get_by_text(re.compile(r"^\s*MLflow Assistant"))
-    box = panel.first.bounding_box() if panel.count() else None
-    if box is None:
-        return None
-    return {"x": 0, "y": 0, "width": max(box["x"] - 70, 800), "height": page.viewport_size["height"]}
+def _close_assistant(page) -> None:
+    """MLflow 3 opens its assistant panel beside every page; the pictures are of the run, so close it."""
+    for button in page.get_by_role("button", name="Close", exact=True).all():
+        box = button.bounding_box()
+        if box and box["x"] > page.viewport_size["width"] * 0.6:  # the panel's header, top right
+            button.click(timeout=5_000)
+            page.wait_for_timeout(500)
+            return
 
 
 def _save(page, name: str) -> None:
     folder = Path(SHOTS)  # type: ignore[arg-type]
     folder.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(folder / name), clip=_left_of_assistant(page))
+    _close_assistant(page)
+    page.screenshot(path=str(folder / name))
     assert (folder / name).stat().st_size > 10_000
 
 
