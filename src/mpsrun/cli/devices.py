@@ -41,7 +41,8 @@ def ui(
 
     uri, artifacts = tracking.resolve_uri(tracking_uri)
     base = f"http://127.0.0.1:{port}"
-    console.print(f"starting the MLflow UI for {uri} on port {port}...", highlight=False)
+    log = ui_server.log_path(uri, port)
+    console.print(f"starting the MLflow UI for {uri} on port {port} (server log: {log})...", highlight=False, soft_wrap=True)
     chosen: dict[str, str] = {}
 
     def choose() -> None:  # once the server answers: its store exists (a new one is created by the server alone)
@@ -57,20 +58,25 @@ def ui(
                       highlight=False, markup=True)
 
     def started() -> None:  # while the server starts (tens of seconds on a small machine)
-        ui_server.warm()
+        ui_server.warm(uri)
         if experiment is not None and ui_server.store_exists(uri):  # a misspelt name: exit 2 now, not once the server is up
             choose()
 
     def ready() -> None:
-        if not chosen:
+        chosen["answered"] = "yes"
+        if "id" not in chosen:
             choose()
         link = ui_server.experiment_page(base, chosen.get("id"))
         name = f"experiment '{chosen['name']}'; " if "name" in chosen else ""
         console.print(f"MLflow UI: {link}  ({name}Ctrl-C to stop)", highlight=False, soft_wrap=True)
 
-    code = ui_server.serve(ui_server.command(uri, artifacts, "127.0.0.1", port), url=base, on_ready=ready, on_started=started)
+    code = ui_server.serve(ui_server.command(uri, artifacts, "127.0.0.1", port), url=base, on_ready=ready, on_started=started, log=log)
     if code in (EXIT_INTERRUPT, EXIT_TERM):
-        err.print("stopped: the MLflow UI server and its workers have exited", highlight=False)
+        err.print("stopped: the MLflow UI server has exited", highlight=False)
+    elif "answered" not in chosen:  # it ended before answering (a port in use, a store it cannot open): its own words
+        err.print(f"[red]failed:[/] the MLflow UI server exited ({code}) before answering; the end of {log}:\n{ui_server.tail(log)}",
+                  highlight=False, markup=True, soft_wrap=True)
+        code = EXIT_FAIL
     raise typer.Exit(code)
 
 

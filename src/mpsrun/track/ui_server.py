@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from pathlib import Path
 from types import FrameType
 from typing import Callable, Optional
 
@@ -30,10 +33,35 @@ EXIT_BY_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 def command(uri: str, artifacts: str | None, host: str, port: int) -> list[str]:
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", host, "--port", str(port)]
+    """MLflow's `server` with one worker, run by `track.ui_app` in one process (why: its docstring)."""
+    cmd = [sys.executable, "-m", "mpsrun.track.ui_app", "--backend-store-uri", uri, "--host", host, "--port", str(port), "--workers", "1"]
     if artifacts:
         cmd += ["--default-artifact-root", artifacts]
     return cmd
+
+
+def log_path(uri: str, port: int) -> Path:
+    """Where the server's own output goes: beside a SQLite store (`mlruns/mlflow-ui-PORT.log`), else the temp folder.
+
+    Why a file: uvicorn's and MLflow's lines (a second "running on" URL before the server answers,
+    deprecation warnings, a line per request) buried the one line a user needs; the file keeps them
+    for when something goes wrong, and its path is said on screen.
+    """
+    name = f"mlflow-ui-{port}.log"
+    if uri.startswith("sqlite:///"):
+        folder = Path(uri.removeprefix("sqlite:///")).parent
+        if os.access(folder, os.W_OK):
+            return folder / name
+    return Path(tempfile.gettempdir()) / f"mpsrun-{name}"
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    """The last lines of the server's log (said when it exits before answering)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def experiment_page(base_url: str, experiment_id: str | None) -> str:
@@ -46,6 +74,11 @@ def choose_experiment(uri: str, name: str | None) -> tuple[str, str]:
 
     LookupError(name) when `name` is not in the store.
     """
+    if uri.startswith("sqlite:///"):
+        try:
+            return _choose_in_sqlite(uri.removeprefix("sqlite:///"), name)
+        except sqlite3.Error:  # not MLflow's tables as expected: ask MLflow
+            pass
     from mpsrun.track.store.client import client
 
     c = client(uri)
@@ -64,9 +97,33 @@ def choose_experiment(uri: str, name: str | None) -> tuple[str, str]:
     return (default.experiment_id, default.name) if default is not None else ("0", "Default")
 
 
-def warm() -> None:
-    """Import MLflow's client while the server starts, so the link follows its first answer closely."""
-    from mlflow.tracking import MlflowClient  # noqa: F401
+def _choose_in_sqlite(db: str, name: str | None) -> tuple[str, str]:
+    """`choose_experiment` read straight from a SQLite store, read-only: active experiments and runs, as MLflow's
+    searches list them by default.
+
+    Why not MLflowClient: importing MLflow and opening the store through it took seconds of the 2-core
+    machine's CPU while the server, on the other core, was starting; the link waited for both.
+    """
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10) as con:
+        if name is not None:
+            row = con.execute("SELECT experiment_id, name FROM experiments WHERE name = ? AND lifecycle_stage = 'active'", (name,)).fetchone()
+            if row is None:
+                raise LookupError(name)
+            return str(row[0]), row[1]
+        row = con.execute(
+            "SELECT e.experiment_id, e.name FROM runs r JOIN experiments e ON r.experiment_id = e.experiment_id "
+            "WHERE e.lifecycle_stage = 'active' AND r.lifecycle_stage = 'active' ORDER BY r.start_time DESC LIMIT 1"
+        ).fetchone()
+        if row is None:
+            row = con.execute("SELECT experiment_id, name FROM experiments WHERE name = 'Default'").fetchone()
+        return (str(row[0]), row[1]) if row is not None else ("0", "Default")
+
+
+def warm(uri: str) -> None:
+    """Import MLflow's client while the server starts, so the link follows its first answer closely; not for a
+    SQLite store, which is read without MLflow (`_choose_in_sqlite`)."""
+    if not uri.startswith("sqlite:///"):
+        from mlflow.tracking import MlflowClient  # noqa: F401
 
 
 def store_exists(uri: str) -> bool:
@@ -122,12 +179,13 @@ def stop_group(proc: subprocess.Popen, sig: int, grace: float = GRACE_S) -> None
 
 
 def serve(cmd: list[str], url: Optional[str] = None, on_ready: Optional[Callable[[], None]] = None,
-          on_started: Optional[Callable[[], None]] = None) -> int:
+          on_started: Optional[Callable[[], None]] = None, log: Optional[Path] = None) -> int:
     """Run the server until it exits or we get SIGINT/SIGTERM; the exit code to use.
 
     `on_started` runs once the server process is started (work to do while it starts up, e.g.
     choosing the experiment; an exception from it stops the server and is raised); `on_ready`
-    once `url` answers its health check. The server's own exit code when it stops by itself;
+    once `url` answers its health check. The server's stdout and stderr go to `log` (this
+    process's own when None). The server's own exit code when it stops by itself;
     130 (SIGINT) or 143 (SIGTERM) when stopped, after the whole process group is gone and the
     port is free.
     """
@@ -137,15 +195,17 @@ def serve(cmd: list[str], url: Optional[str] = None, on_ready: Optional[Callable
         got.append(signum)
 
     old = {s: signal.signal(s, on_signal) for s in EXIT_BY_SIGNAL}
+    out = open(log, "w") if log is not None else None
     try:
-        proc = subprocess.Popen(cmd, start_new_session=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the log follows the server as it goes, not in 8 KiB blocks
+        proc = subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
         try:
             if on_started is not None:
                 on_started()
             ready = url is None
             while not got:
                 try:
-                    code = proc.wait(timeout=0.2)
+                    code = proc.wait(timeout=0.2 if ready else 0.1)
                 except subprocess.TimeoutExpired:
                     if not ready and answers(url):  # type: ignore[arg-type]
                         ready = True
@@ -162,5 +222,7 @@ def serve(cmd: list[str], url: Optional[str] = None, on_ready: Optional[Callable
             stop_group(proc, signal.SIGTERM)
             raise
     finally:
+        if out is not None:
+            out.close()
         for s, h in old.items():
             signal.signal(s, h)
