@@ -17,29 +17,31 @@ from torch.utils.data import Dataset
 class DataSplits:
     """A dataset plugin's result.
 
-    train, val: `torch.utils.data.Dataset`s yielding (input, label). When they are
-        `torch.utils.data.TensorDataset`s (raw tensors: uint8 images, int64 labels),
-        the runner may copy them to the device once and batch there (the fast path).
-    num_classes, input_shape: what the model plugin is given; input_shape is the
-        shape of one sample *after* `transform`.
-    transform: optional, applied by the runner to each input batch *on the device*
-        (scaling, normalising, resizing), so raw tensors can stay small.
-    info: optional facts a model may need beyond num_classes and input_shape (the
-        tabular dataset's column cardinalities, say); the runner passes it to a
-        model plugin that declares a `data_info` parameter. Keep it JSON-friendly.
-        A regression dataset that standardised its target puts `target_mean` and
-        `target_std` here, and metrics are reported in the target's own units.
-        Two keys the runner reads itself: `notes` (a list of strings, said on screen
-        and tagged `mpsrun.notes`: fallbacks, skipped files) and `tags` (a dict of
-        string tags set on the run, e.g. `mpsrun.data.cache: built`); `classes`
-        names the classes (figures, the logged model's metadata); `source` (a
-        path) is the folder or file read, recorded as the MLflow dataset's source.
-    task: "classification" (int64 labels, num_classes of them) or "regression"
-        (float targets (N,) or (N, k); num_classes is 0). The runner fills a
-        model's `num_outputs` with num_classes or k, and picks the default loss
-        (cross_entropy or mse) and metrics from it.
-    test: optional held-out split, evaluated once after training with the weights
-        the run logs (`test_loss`, `test_accuracy` or the regression metrics).
+    Attributes:
+        train: a `torch.utils.data.Dataset` yielding (input, label). When it is a
+            `torch.utils.data.TensorDataset` (raw tensors: uint8 images, int64 labels),
+            the runner may copy it to the device once and batch there (the fast path).
+        val: the validation split, the same kind of dataset as `train`.
+        num_classes: the model plugin's output width (labels are 0 .. num_classes - 1).
+        input_shape: the shape of one sample *after* `transform`; the model plugin is given it.
+        transform: optional, applied by the runner to each input batch *on the device*
+            (scaling, normalising, resizing), so raw tensors can stay small.
+        info: optional facts a model may need beyond num_classes and input_shape (the
+            tabular dataset's column cardinalities, say); the runner passes it to a
+            model plugin that declares a `data_info` parameter. Keep it JSON-friendly.
+            A regression dataset that standardised its target puts `target_mean` and
+            `target_std` here, and metrics are reported in the target's own units.
+            Two keys the runner reads itself: `notes` (a list of strings, said on screen
+            and tagged `mpsrun.notes`: fallbacks, skipped files) and `tags` (a dict of
+            string tags set on the run, e.g. `mpsrun.data.cache: built`); `classes`
+            names the classes (figures, the logged model's metadata); `source` (a
+            path) is the folder or file read, recorded as the MLflow dataset's source.
+        task: "classification" (int64 labels, num_classes of them) or "regression"
+            (float targets (N,) or (N, k); num_classes is 0). The runner fills a
+            model's `num_outputs` with num_classes or k, and picks the default loss
+            (cross_entropy or mse) and metrics from it.
+        test: optional held-out split, evaluated once after training with the weights
+            the run logs (`test_loss`, `test_accuracy` or the regression metrics).
     """
 
     train: Dataset
