@@ -72,6 +72,7 @@ def _images_under(folder: Path, stats: Optional[dict[str, tuple[int, int]]] = No
         except OSError:
             continue
         subdirs = []
+        base = Path(d)  # parsed once: Path(entry.path) would parse the whole path per file (0.5 s of 100,000)
         for e in entries:
             if e.name.startswith("."):
                 continue
@@ -84,7 +85,7 @@ def _images_under(folder: Path, stats: Optional[dict[str, tuple[int, int]]] = No
                     continue  # a dangling link: nothing to decode
                 if stats is not None:
                     stats[e.path] = (est.st_size, est.st_mtime_ns)
-                out.append(Path(e.path))
+                out.append(base / e.name)
         todo += reversed(subdirs)  # depth first, in name order, as os.walk listed them
     return out
 
