@@ -287,7 +287,7 @@ def test_auto_places_the_data_after_a_measured_step_cuda(work) -> None:
     run = work.runs("digits_mlp")[0]
     assert run.data.tags["data.path"] == "resident"
     assert "free after the model, optimizer state and a measured step" in run.data.tags["data.path_reason"]
-    assert "resident_max_gb auto" in r.output  # said on screen
+    assert "data: resident_max_gb auto" in " ".join(r.output.split())  # said on screen
 
 
 @pytest.mark.skipif(not CUDA, reason="pinned buffers and the side stream need a CUDA GPU")
