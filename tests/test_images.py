@@ -278,13 +278,14 @@ def test_a_gpu_decoder_that_cannot_start_is_said_and_tagged_simulated(tmp_path: 
     root = write(tmp_path / "nogpu", classes=2, per_class=6, size=24)
     # a machine with no CUDA (this one, or a GPU machine told so): the decoder's thread finds none and the build is a
     # CPU machine's, nothing said
-    monkeypatch.setattr(gpu_decode, "available", lambda: False)
+    monkeypatch.setattr(cmod, "_gpu_present", lambda: False)
     s = image_folder(str(root), size=16, workers=1, val_fraction=0.25)
     assert s.info["tags"]["mpsrun.data.decode"] == "PIL in 1 process(es): 12" and not s.info.get("notes")
     assert "gpu_init" not in s.info["tags"]["mpsrun.data.decode_phases"]
 
     # a CUDA machine (simulated): nvJPEG starts only where PIL alone would take longer than the GPU's start, and says so
     monkeypatch.setattr(gpu_decode, "available", lambda: True)
+    monkeypatch.setattr(cmod, "_gpu_present", lambda: True)
     more = write(tmp_path / "more", classes=2, per_class=40, size=24)  # 80 files: two PIL processes
     monkeypatch.setenv("MPSRUN_CACHE", str(tmp_path / "cache2"))
     s = image_folder(str(more), size=16, workers=2, val_fraction=0.25)

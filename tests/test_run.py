@@ -36,7 +36,9 @@ def test_digits_recipe_acceptance(work) -> None:
     assert run.data.params["model.hidden"] == "[128, 64]"
     assert "system/steady_epoch_time_s" in run.data.metrics and "system/first_epoch_time_s" in run.data.metrics
     timings = json.loads(Path(work.client().download_artifacts(run.info.run_id, "mpsrun_timings.json", str(work.path))).read_text())
-    assert 0 < timings["mlflow_log_time_s"] < run.data.metrics["system/total_train_time_s"]
+    assert timings["mlflow_log_time_s"] > 0
+    if run.data.tags["device.actual"] == "cpu":  # on a GPU the 20 epochs take less than MLflow's own bookkeeping
+        assert timings["mlflow_log_time_s"] < run.data.metrics["system/total_train_time_s"]
     arts = {a.path for a in work.client().list_artifacts(run.info.run_id)}
     assert {"recipe.yaml", "figures"} <= arts
     assert run.data.tags["mpsrun.model_uri"] == f"runs:/{run.info.run_id}/model"
