@@ -155,7 +155,9 @@ def builtin_plugins_section() -> list[str]:
         return ["## Built-in plugins", "", f"(not generated: {exc})", ""]
     out = ["## Built-in plugins", "",
            "The models and datasets mpsrun ships, registered through the same entry points as any plugin",
-           "(`mpsrun plugins` lists every installed one, yours included; [Writing a plugin](../plugins.md)).", ""]
+           "(`mpsrun plugins` lists every installed one, yours included; [Writing a plugin](../plugins.md)).",
+           "Parameters marked *filled in* come from the dataset or the recipe (the number of classes, the input's",
+           "shape, the seed), not from the recipe's section.", ""]
     rows = _builtin_rows(registry)
     if not rows:
         return out + ["(no built-in plugin found in this environment's entry points)", ""]
@@ -175,12 +177,16 @@ def _builtin_rows(registry: Any) -> dict[str, list[tuple[str, str, str]]]:
         for ep in sorted(entry_points(group=group), key=lambda e: e.name):
             if not ep.value.startswith("mpsrun.plugins.builtin"):
                 continue
-            params, doc = _signature_from_source(ep.value)
+            params, doc = _signature_from_source(ep.value, FILLED[kind])
             rows.setdefault(kind, []).append((ep.name, params, doc))
     return rows
 
 
-def _signature_from_source(value: str) -> tuple[str, str]:
+# Parameters the runner fills in itself (Writing a plugin, "Parameters the runner fills in"): not recipe keys.
+FILLED = {"model": {"num_classes", "input_shape", "num_outputs", "data_info"}, "dataset": {"seed", "recipe_dir"}}
+
+
+def _signature_from_source(value: str, filled: set[str] = frozenset()) -> tuple[str, str]:  # type: ignore[assignment]
     """`module:function` -> its parameters and the first line of its docstring, by reading the source (ast)."""
     import ast
     import importlib.util
@@ -205,7 +211,8 @@ def _signature_from_source(value: str) -> tuple[str, str]:
                     if a.arg in ("self",):
                         continue
                     ann = f": {ast.unparse(a.annotation)}" if a.annotation is not None else ""
-                    params.append(f"`{a.arg}{ann}{' = ' + ast.unparse(d) if d is not None else ''}`")
+                    text = f"`{a.arg}{ann}{' = ' + ast.unparse(d) if d is not None else ''}`"
+                    params.append(f"{text} (filled in)" if a.arg in filled else text)
             doc = (ast.get_docstring(node) or "").strip().split("\n\n")[0].replace("\n", " ")
             return ", ".join(params), doc
     return "", ""
