@@ -91,6 +91,36 @@ def test_auto_room_on_mps_is_a_share_of_the_recommended_working_set_mps_mock(mon
     assert room is None and "measured step" in how  # CUDA: decided after a step, in the engine
 
 
+def test_auto_on_cuda_places_after_a_measured_step_simulated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA rule with no GPU here: the driver's and the allocator's figures are stood in for; the plan, the
+    measured step's hand-over and the decision are the real ones (on the CPU device)."""
+    from mpsrun.train.loop.data import BatchPlan, Pending
+
+    x, y = torch.zeros(100, 3, 8, 8, dtype=torch.uint8), torch.zeros(100, dtype=torch.long)  # 19,200 + 800 bytes
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 3000)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 1000)  # 2,000 cached, free for the data too
+    seen = []
+
+    def plan() -> BatchPlan:
+        cpu = torch.device("cpu")
+        p = BatchPlan(HostBatches(MemoryRows(x, y), 10, cpu, True, 0), HostBatches(MemoryRows(x, y), 10, cpu, False, 0), False, "pending")
+        p.pending = Pending((x, y), (x, y), 40_000, 10, 0)
+        return p
+
+    def measure(xb: torch.Tensor, yb: torch.Tensor) -> int:
+        seen.append(len(xb))
+        return 5_000  # the step's peak
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d=None: (60_000, 10**9))
+    p = plan()
+    note = p.settle(measure, graph_steps=0)  # eager: 0.8 * (62,000 - 5,000) = 45,600 >= 40,000
+    assert p.resident and isinstance(p.train, ResidentBatches) and p.pending is None and seen == [10]
+    assert "on the device (room 0.00 GiB: 80% of 0.00 GiB free after the model, optimizer state and a measured step" in note
+    p = plan()
+    note = p.settle(measure, graph_steps=16)  # graphs: a second peak and 2 x 16 x 10 x 192 B of static input come off
+    assert not p.resident and isinstance(p.train, HostBatches) and "exceed the room" in note and "pinned buffers" in note
+
+
 # ----------------------------------------------------------------------------- streaming from disk
 
 
