@@ -15,9 +15,11 @@ defaults, security middleware, store set-up), with:
   `--workers` above 1, or a MLflow whose server does not start uvicorn through `_exec_cmd`, the
   command is started as MLflow starts it (slower, the same server).
 
-Measured on the 2-core machine (`/tmp/uibench/server_time.py`, the time to the first 200 of `/`,
-median of 2, under the other engineers' load): `mlflow ui` 14.0 s; `--workers 1` 19.0 s; plus job
-execution off 6.2 s; this module 2.9 s.
+Measured on the 2-core machine, 2026-11-28, shared with other work (load average 6 to 11): the server
+alone to its first 200 of `/` (median of 2): `mlflow ui` 14.0 s; with `--workers 1` 19.0 s (the job
+runner's processes still start); plus job execution off 6.2 s; this module 2.9 s. The whole `mpsrun ui`
+(`benchmarks/ui_start.py --repeats 5 --compare`, alternating with 307428c): the page answered after a
+median 29.8 s before (13.8 to 55.5), 4.95 s after (3.2 to 7.6).
 
 It also stops when `mpsrun ui` is gone however it ended (SIGKILL included): a watcher thread sees the
 parent change and ends this process with SIGTERM, uvicorn's graceful shutdown, so no server is orphaned.

@@ -9,9 +9,12 @@ and on SIGINT or SIGTERM mpsrun stops that whole group (SIGTERM, the server's
 graceful shutdown), waits for it to exit (SIGKILL after a grace period), and exits
 130 or 143 like every other command.
 
-The URL is printed only once the server answers (`/health`): `mlflow ui` takes tens of
-seconds to start on a small machine, and a link printed at once led to "connection
-refused". It opens the experiment's training runs (`experiment_page`).
+The URL is printed only once the server answers (`/health`): a link printed at once led to
+"connection refused". It opens the experiment's training runs (`experiment_page`). The server
+is MLflow's `server` with one worker in one process (`track.ui_app`, which says why: `mlflow ui`
+took 14 to 30 s to answer on the 2-core machine); its stdout and stderr go to a log file whose
+path is said (`log_path`), so the screen holds mpsrun's lines only, and the log's last lines are
+said if the server ends before answering.
 """
 
 from __future__ import annotations
