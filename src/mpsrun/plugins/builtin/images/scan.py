@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
+EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp")  # any case (.JPG); .jfif: what browsers save JPEGs as
 SPLITS = ("train", "val", "test")
 
 
