@@ -18,6 +18,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from mpsrun.train.loop.feed.host import take_rows
 from mpsrun.train.loop.feed.order import BlockOrder, block_order
 
 BLOCK_MAX_BYTES = 32 * 2**20  # a block of consecutive rows is one read (or a few, where held-out rows break it)
@@ -144,12 +145,12 @@ class DiskEpoch:
             idx = self.order.local[self.w][a - start : a - start + take]
             assert self.cur is not None
             pix, held = self.cur
-            torch.index_select(self.src.labels, 0, held[idx], out=out_y[o : o + take])
+            take_rows(self.src.labels, held[idx], out_y[o : o + take])
             if pool is None or parts < 2 or take < 4 * parts:
-                torch.index_select(pix, 0, idx, out=out_x[o : o + take])
+                take_rows(pix, idx, out_x[o : o + take])
             else:
                 cuts = [take * i // parts for i in range(parts + 1)]
-                jobs = [pool.submit(torch.index_select, pix, 0, idx[s:e], out=out_x[o + s : o + e]) for s, e in zip(cuts, cuts[1:])]
+                jobs = [pool.submit(take_rows, pix, idx[s:e], out_x[o + s : o + e]) for s, e in zip(cuts, cuts[1:])]
                 for j in jobs:
                     j.result()
             a += take
