@@ -251,7 +251,8 @@ tracking: {experiment: startup}
 # Values that differ between any two runs: argv, run name, the new tag, process and clock facts, ids,
 # and the description (it quotes the epoch time).
 VARIES = {"mpsrun.command", "mpsrun.owner", "mlflow.runName", "mpsrun.mlflow_helper", "mpsrun.pid", "mpsrun.pid_start", "mpsrun.heartbeat",
-          "mpsrun.model_uri", "mpsrun.model_id", "mlflow.note.content", "mlflow.loggedModels"}
+          "mpsrun.model_uri", "mpsrun.model_id", "mlflow.note.content", "mlflow.loggedModels",
+          "data.path_reason"}  # the room for resident data: a measure of free memory at the time
 ADDED_METRICS: set[str] = set()  # mpsrun's bookkeeping (mlflow_setup_wait_s among it) is in mpsrun_timings.json
 ADDED_TAGS = {"mpsrun.mlflow_helper", "mpsrun.model_export", "mpsrun.figures"}  # how the model was exported, the figures drawn
 
