@@ -190,3 +190,14 @@ def test_a_server_that_cannot_start_is_said_with_its_log(uis) -> None:  # type: 
     assert code == 1 and not u.links(), u.screen()
     said = "\n".join(u.err)
     assert "the MLflow UI server exited" in said and f"mlflow-ui-{u.port}.log" in said and "address already in use" in said.lower(), said
+
+
+def test_a_misspelt_experiment_is_exit_2_at_once_with_a_did_you_mean(uis) -> None:  # type: ignore[no-untyped-def]
+    """Checked in the SQLite store while the server starts (no MLflow import): exit 2 in seconds, not once the server is up."""
+    folder = uis[0]["int"].folder
+    t = time.monotonic()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    p = subprocess.run([sys.executable, "-m", "mpsrun", "ui", "--port", str(free_port()), "-e", "demp"], cwd=folder, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "no experiment 'demp'" in p.stderr and "did you mean 'demo'?" in p.stderr, p.stdout + p.stderr
+    assert time.monotonic() - t < 30, "an unknown experiment should be said before the server is up"

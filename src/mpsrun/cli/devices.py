@@ -49,10 +49,9 @@ def ui(
         try:
             chosen["id"], chosen["name"] = ui_server.choose_experiment(uri, experiment)
         except LookupError:
-            from mpsrun.track.store.runs import experiment_names
             from mpsrun.recipe.problems import did_you_mean
 
-            raise bad_input(f"no experiment '{experiment}' in {uri}{did_you_mean(experiment or '', experiment_names(uri))}") from None
+            raise bad_input(f"no experiment '{experiment}' in {uri}{did_you_mean(experiment or '', ui_server.experiment_names(uri))}") from None
         except Exception as e:  # noqa: BLE001 - the store could not be read here: the link opens the UI's home page
             err.print(f"[yellow]warning:[/] could not choose an experiment ({type(e).__name__}: {e}); the link opens the UI's home page",
                       highlight=False, markup=True)

@@ -122,6 +122,19 @@ def _choose_in_sqlite(db: str, name: str | None) -> tuple[str, str]:
         return (str(row[0]), row[1]) if row is not None else ("0", "Default")
 
 
+def experiment_names(uri: str) -> list[str]:
+    """The active experiments' names (for a did-you-mean); a SQLite store read without MLflow, as `choose_experiment`."""
+    if uri.startswith("sqlite:///"):
+        try:
+            with sqlite3.connect(f"file:{uri.removeprefix('sqlite:///')}?mode=ro", uri=True, timeout=10) as con:
+                return [r[0] for r in con.execute("SELECT name FROM experiments WHERE lifecycle_stage = 'active'")]
+        except sqlite3.Error:
+            pass
+    from mpsrun.track.store.runs import experiment_names as names
+
+    return names(uri)
+
+
 def warm(uri: str) -> None:
     """Import MLflow's client while the server starts, so the link follows its first answer closely; not for a
     SQLite store, which is read without MLflow (`_choose_in_sqlite`)."""
