@@ -93,5 +93,5 @@ def problem(resolved: Resolved, loc: tuple, message: str) -> RecipeError:
 def section(resolved: Resolved) -> SweepSection:
     """The recipe's sweep section, or a located RecipeError when it has none."""
     if resolved.recipe.sweep is None:
-        raise RecipeError([Problem("sweep", "this recipe has no `sweep:` section (see README, Sweeps)", resolved.source.where(()))], str(resolved.path))
+        raise RecipeError([Problem("sweep", "this recipe has no `sweep:` section (see docs/guides/sweeps.md)", resolved.source.where(()))], str(resolved.path))
     return resolved.recipe.sweep

@@ -73,7 +73,7 @@ def words(s: Sharing) -> str:
     if s.mps:
         return at_once(s)
     return (f"{taking_turns(s)}; "
-            "NVIDIA MPS lets them (`--gpu-sharing auto` starts it where `nvidia-cuda-mps-control` is installed; README, Sweeps)")
+            "NVIDIA MPS lets them (`--gpu-sharing auto` starts it where `nvidia-cuda-mps-control` is installed; docs/guides/sweeps.md)")
 
 
 def note(workers: int, device: str, proc: str = PROC) -> Optional[str]:

@@ -1,6 +1,6 @@
 """Validation metrics per task, accumulated on the device and read once per evaluation.
 
-Hand-written, not torchmetrics, by measurement and by rule (see docs in README,
+Hand-written, not torchmetrics, by measurement and by rule (see docs/guides/recipes.md,
 "Training controls"): every update here is a handful of fixed-shape tensor ops
 with no Python-side state, so it runs inside a captured CUDA graph and never
 synchronises with the host. torchmetrics' `Metric.update` also bumps Python
