@@ -132,6 +132,14 @@ def test_reference_pages_are_generated_without_torch_or_mlflow() -> None:
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+def test_environment_page_names_every_variable_the_code_reads() -> None:
+    names = set()
+    for f in (ROOT / "src" / "mpsrun").rglob("*.py"):
+        names |= set(re.findall(r"MPSRUN_[A-Z0-9_]*[A-Z0-9]", f.read_text()))
+    page = (ROOT / "docs" / "reference" / "environment.md").read_text()
+    assert sorted(n for n in names if n not in page) == [], "say what each variable does in docs/reference/environment.md"
+
+
 def test_readme_is_short_and_runs_what_ci_runs() -> None:
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 150
