@@ -77,7 +77,7 @@ def take_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
     if src.dtype in _NOT_NUMPY:  # bfloat16 and the like: torch's own copy
         torch.index_select(src, 0, idx, out=out)
         return
-    np.take(src.numpy(), idx.numpy(), axis=0, out=out.numpy())
+    np.take(src.numpy(), idx.numpy(), axis=0, out=out.numpy(), mode="clip")  # "raise" would copy through a buffer of out's size
 
 
 _NOT_NUMPY = {torch.bfloat16, getattr(torch, "float8_e4m3fn", torch.bfloat16), getattr(torch, "float8_e5m2", torch.bfloat16)}
