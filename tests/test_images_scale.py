@@ -333,3 +333,21 @@ def test_host_batches_on_cuda_are_the_resident_batches_cuda() -> None:
         out = [(xb.clone(), yb.clone()) for xb, yb in host]  # cloned on the loop's stream, after the copy's event
         assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(res, out))
         assert out[0][0].is_cuda
+
+
+@pytest.mark.skipif(not CUDA, reason="pinned buffers and the side stream need a CUDA GPU")
+def test_a_disk_stream_feeds_the_gpu_every_sample_once_cuda(tmp_path: Path) -> None:
+    n, shape, batch = 1500, (3, 32, 32), 64
+    path = tmp_path / "images.u8"
+    row = _cache_file(path, n, shape)
+    rows = np.arange(0, n, 2)
+    src = DiskRows(str(path), n, shape, rows, torch.arange(len(rows)), 2 * MiB, PINNED_SLOTS * batch * row)
+    hb = HostBatches(src, batch, torch.device("cuda"), True, seed=0)
+    hb.ahead = 34  # as the graphs ask
+    hb.set_epoch(0)
+    seen = []
+    for xb, yb in hb:
+        first = xb.reshape(len(xb), -1)[:, :4].cpu().contiguous().numpy().view("<u4").reshape(-1)
+        assert xb.is_cuda and np.array_equal(first, rows[yb.cpu().numpy()])
+        seen.append(yb.cpu())
+    assert sorted(torch.cat(seen).tolist()) == list(range(len(rows)))
