@@ -144,6 +144,7 @@ def decode_gpu(
 
 SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}  # start-of-frame markers
 XMP = b"http://ns.adobe.com/xap/1.0/\0"
+INSPECTED = SOF | {0xE1, 0xEE}  # EXIF / XMP, Adobe, start of frame
 
 
 def for_pil(data: bytes) -> Optional[str]:
@@ -161,7 +162,7 @@ def for_pil(data: bytes) -> Optional[str]:
         return "not a JPEG header"
     if data[-2:] != b"\xff\xd9" and data.rstrip(b"\0\r\n ")[-2:] != b"\xff\xd9":
         return "no JPEG end marker"  # truncated (PIL refuses it, nvJPEG may not), or data after the image
-    i, adobe_rgb = 2, False
+    i, adobe_rgb, view = 2, False, memoryview(data)  # segments viewed, not copied (an EXIF block can be 64 KiB)
     while i + 4 <= n:
         if data[i] != 0xFF:
             return "not a JPEG header"
@@ -172,11 +173,16 @@ def for_pil(data: bytes) -> Optional[str]:
         if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # no length
             i += 2
             continue
-        length = int.from_bytes(data[i + 2 : i + 4], "big")
-        seg = data[i + 4 : i + 2 + length]
+        length = (data[i + 2] << 8) | data[i + 3]
+        if marker == 0xDA:  # start of scan: the header is over
+            return None
+        if marker not in INSPECTED:  # tables, JFIF, comments: skipped without a copy
+            i += 2 + length
+            continue
+        seg = view[i + 4 : i + 2 + length]
         if marker == 0xE1 and seg[:6] == b"Exif\0\0" and _exif_orientation(seg[6:]) != 1:
             return "EXIF orientation"
-        if marker == 0xE1 and seg.startswith(XMP) and b"Orientation" in seg:
+        if marker == 0xE1 and seg[: len(XMP)] == XMP and b"Orientation" in bytes(seg):
             return "EXIF orientation"
         if marker == 0xEE and seg[:5] == b"Adobe" and len(seg) >= 12 and seg[11] == 0:
             adobe_rgb = True
@@ -190,13 +196,11 @@ def for_pil(data: bytes) -> Optional[str]:
                 return "unusual JPEG"
             if comps == 3 and (adobe_rgb or bytes(seg[6:15:3]) == b"RGB"):
                 return "RGB-coded JPEG"
-        if marker == 0xDA:  # start of scan: the header is over
-            return None
         i += 2 + length
     return "not a JPEG header"
 
 
-def _exif_orientation(tiff: bytes) -> int:
+def _exif_orientation(tiff: memoryview) -> int:
     """Tag 0x0112 of the first IFD of an EXIF block (TIFF layout); 1 when absent, 0 when it does not parse."""
     import struct
 
