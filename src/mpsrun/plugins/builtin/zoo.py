@@ -11,6 +11,7 @@ silently time, a download.
 from __future__ import annotations
 
 import os
+import sys
 from functools import lru_cache
 from typing import Any, Optional
 from urllib.parse import urlparse
@@ -153,8 +154,11 @@ class Pretrained(nn.Module):
 def _say(data_info: Optional[dict[str, Any]], note: str) -> None:
     """A note for the run (said on screen, tagged): the dataset's notes list, which the runner reads after the model is built."""
     notes = data_info.get("notes") if isinstance(data_info, dict) else None
-    if isinstance(notes, list) and note not in notes:
-        notes.append(note)
+    if isinstance(notes, list):
+        if note not in notes:  # a sweep worker's trials share one dataset: said once
+            notes.append(note)
+    else:  # a dataset without a notes list: on screen at least
+        print(f"note: {note}", file=sys.stderr, flush=True)
 
 
 def _with_weights_norm(model: nn.Module, w: Any, channels: int, input_shape: tuple[int, ...], num_classes: int,
