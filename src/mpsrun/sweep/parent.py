@@ -92,9 +92,13 @@ def settle_lost(tracking_uri: str | None, study: Any, client: Any = None) -> int
     marker = RunMarker(tracking_uri, client=client)
     lost = storage.lost_trials(study)
     n = 0
+    unknown: dict[int, str] = {}  # lost trials that never kept their run's id: found by the run's trial tag
     for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
         why, run_id = storage.why_lost(t, lost), t.user_attrs.get(storage.RUN_ID)
-        if why is None or not run_id:
+        if why is None:
+            continue
+        if not run_id:
+            unknown[t.number] = why
             continue
         try:
             run = marker.c.get_run(run_id)
@@ -104,6 +108,32 @@ def settle_lost(tracking_uri: str | None, study: Any, client: Any = None) -> int
             continue
         marker.lost(run_id, why, run)
         n += 1
+    return n + _settle_untold(marker, study.user_attrs.get(storage.PARENT), unknown)
+
+
+def _settle_untold(marker: RunMarker, parent_run_id: str | None, unknown: dict[int, str]) -> int:
+    """The RUNNING child runs of lost trials whose id the study never got, found by their trial tag; returns how many.
+
+    Why: a trial's run is created before its id is kept on the trial (a fused group's runs in one
+    call to the worker's MLflow helper, which finishes the call even when its worker is killed).
+    A worker killed in between left those runs RUNNING for good (seen in CI: a kill -9 mid-way
+    through a fused group's start). Every trial's run carries its number (TRIAL_TAG) and its
+    parent, so the parent's RUNNING children name the lost trials they belong to.
+    """
+    if not unknown or not parent_run_id:
+        return 0
+    try:
+        exp = marker.c.get_run(parent_run_id).info.experiment_id
+        runs = marker.c.search_runs([exp], filter_string=f"tags.`mlflow.parentRunId` = '{parent_run_id}' and attributes.status = 'RUNNING'",
+                                    max_results=5000)
+    except Exception:  # noqa: BLE001 - the parent is gone: nothing to agree with
+        return 0
+    n = 0
+    for run in runs:
+        number = run.data.tags.get(TRIAL_TAG, "")
+        if number.isdigit() and int(number) in unknown:
+            marker.lost(run.info.run_id, unknown[int(number)], run)
+            n += 1
     return n
 
 

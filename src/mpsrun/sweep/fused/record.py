@@ -94,17 +94,26 @@ def epoch(tracker: Any, rows: list[tuple[Member, int, dict[str, float]]]) -> Non
 
 
 def end(tracker: Any, members: list[Member], notes: list[str], wait: bool = False) -> None:
-    """The members that ended: their run's status (FINISHED, or FAILED with the error), notes and summary tags."""
+    """The members that ended: their run's status (FINISHED, or FAILED with the error), notes and summary tags.
+
+    A member whose state is KILLED was stopped by a signal (its group interrupted): its run ends KILLED, as
+    an interrupted `mpsrun run` does, tagged as a lost trial's is (state FAILED, not counted, why); the
+    study has it failed, not counted and queued again (storage.mark_lost).
+    """
+    from mpsrun.sweep.parent import COUNTED, STATE_TAG, WHY
+
     rows = []
     for m in members:
         if not m.run_id:
             continue
-        status = "FAILED" if m.state == "FAILED" else "FINISHED"
+        status = {"FAILED": "FAILED", "KILLED": "KILLED"}.get(m.state, "FINISHED")
         tags = {"mpsrun.notes": " | ".join(notes) or "none"}
         if m.state == "PRUNED":
             tags["mpsrun.sweep.pruned"] = m.message
         if m.state == "FAILED" and "non-finite" in m.message:
             tags["mpsrun.nonfinite"] = m.message
+        if m.state == "KILLED":
+            tags.update({STATE_TAG: "FAILED", COUNTED: "false", WHY: m.message})
         rows.append((m.run_id, status, tags, m.message if m.state == "FAILED" else None, None))
     if rows:
         (_hook if wait else _post)(tracker, "runs_end", rows)

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from mpsrun.recipe.load import Resolved
 from mpsrun.sweep import space, storage
 from mpsrun.sweep.fused import group as grouping
+from mpsrun.sweep.fused import stop
 
 MAX_GROUP = 256
 STARTUP = 4  # the median pruner's n_startup_trials (space.pruner): it compares with finished trials only
@@ -119,12 +120,16 @@ def loop(job: Any, resolved: Resolved, index: int, tracker: Any, study: Any, mar
                 finish(t, Outcome("FAILED", None, None, f"{type(e).__name__}: {e}"), {}, start)
         if not asked:
             continue  # every trial asked failed before training (or another worker took the last place): the budget says
-        groups, alone = grouping.partition(asked, lambda it: it[2], most)
-        for (t, values, _r, _s), why in alone:
-            said.unfused(t.number, why)
-            run_one(t, values)
-        for g in groups:
-            _group(job, sweep, g, tracker, study, marker, data, run_one, finish, said, index)
+        try:
+            groups, alone = grouping.partition(asked, lambda it: it[2], most)
+            for (t, values, _r, _s), why in alone:
+                said.unfused(t.number, why)
+                run_one(t, values)
+            for g in groups:
+                _group(job, sweep, g, tracker, study, marker, data, run_one, finish, said, index)
+        except KeyboardInterrupt as e:  # the trials asked and not told yet (waiting their turn): lost, queued again
+            stop.lose(study, [it[0] for it in asked], f"interrupted ({getattr(e, 'name', 'SIGINT')})")
+            raise
 
 
 def _lost(t: Any, why: str, marker: Any) -> None:
@@ -135,7 +140,12 @@ def _lost(t: Any, why: str, marker: Any) -> None:
 
 def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, marker: Any, data: dict[str, Any],
            run_one: Callable, finish: Callable, said: Said, index: int) -> None:
-    """One fused group, from its members' build to each one's end."""
+    """One fused group, from its members' build to each one's end.
+
+    A signal (SIGINT/SIGTERM) stops the training at once; the group's bookkeeping is held against it
+    (stop.held), then every member not yet told keeps each epoch it finished, its run ends KILLED and
+    its trial is lost and queued again (stop.abandon), as an interrupted unfused trial's is.
+    """
     from mpsrun.sweep import trial as trial_mod
     from mpsrun.sweep.fused import engine, members, record
 
@@ -145,6 +155,9 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
     mems = [members.Member(t, values, r, _tags(job, t, values)) for t, values, r, _ in items]
     starts = {m.number: s for m, (_, _, _, s) in zip(mems, items)}
     beats = [storage.heartbeat_thread(study, m.trial._trial_id) for m in mems]  # noqa: SLF001
+    told: set[int] = set()  # members whose trial the study has been told (finish): no longer the signal's to settle
+    posted: dict[int, int] = {}  # member number -> epochs of its metrics posted to its run
+    notes: list[str] = []
     try:
         try:
             b = members.build(mems, data)
@@ -158,13 +171,14 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
         if b.device.type == "cuda":
             said.add("fuse: on CUDA the fused step runs eager (not captured in CUDA graphs yet): a skipped optimisation")
         gid = f"{index}-{uuid.uuid4().hex[:8]}"
-        notes = [f"fused: trained with {len(mems) - 1} other trial{'s' if len(mems) > 2 else ''} as one step (group {gid})"]
+        notes[:] = [f"fused: trained with {len(mems) - 1} other trial{'s' if len(mems) > 2 else ''} as one step (group {gid})"]
         if b.device.type == "cuda":
             notes.append("graphs: the fused step runs eager on CUDA (CUDA graphs not captured for fused groups yet)")
         _check_metric(sweep, b, mems, study)
         if lap is not None:
             lap.lap("prepare")
-        record.begin(tracker, b, gid, job.parent_run_id, notes)
+        with stop.held():  # the runs and their ids on the trials together: never runs that no trial knows (parent.settle_lost)
+            record.begin(tracker, b, gid, job.parent_run_id, notes)
         if lap is not None:
             lap.lap("open")
         g = engine.Group(b)
@@ -172,6 +186,10 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
         ended: list[members.Member] = []
 
         def on_epoch(m: members.Member, e: int, metrics: dict[str, float]) -> tuple[str, str] | None:
+            with stop.held():  # the pruner's report and question write the study (its journal's lock)
+                return verdict(m, e, metrics)
+
+        def verdict(m: members.Member, e: int, metrics: dict[str, float]) -> tuple[str, str] | None:
             rows.append((m, e, metrics))
             bad = engine.nonfinite(metrics, e, b.epochs)
             value = metrics.get(sweep.metric)
@@ -190,24 +208,19 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
             return None
 
         def listen(e: int, seconds: float) -> None:
-            record.epoch(tracker, rows)
-            rows.clear()
-            if ended:
-                _end(ended, tracker, notes, finish, starts, trial_mod)
-                ended.clear()
+            with stop.held():  # the epoch posted whole, and the members that ended told, before a signal stops the group
+                record.epoch(tracker, rows)
+                for m, ep, _ in rows:
+                    posted[m.number] = ep + 1
+                rows.clear()
+                if ended:
+                    _end(ended, tracker, notes, finish, starts, trial_mod, told)
+                    ended.clear()
 
         threads = torch_threads(b.device)
         try:
             g.run(on_epoch, listen)
-        except KeyboardInterrupt as e:
-            why = f"interrupted ({getattr(e, 'name', 'SIGINT')})"
-            for m in g.active:
-                storage.mark_lost(study, m.trial, why)
-                m.state, m.message = "FAILED", why
-            record.end(tracker, g.active, notes, wait=True)
-            for m in g.active:
-                if m.run_id:
-                    marker.state(m.run_id, "FAILED", counted=False, why=why)
+        except KeyboardInterrupt:
             raise
         except Exception as e:  # noqa: BLE001 - out of memory, a layer that failed: the group's running members fail with it
             for m in g.active:
@@ -219,10 +232,14 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
                 torch.set_num_threads(threads)
         if lap is not None:
             lap.lap("train")
-        _end([m for m in g.active], tracker, notes, finish, starts, trial_mod)
+        with stop.held():
+            _end([m for m in g.active], tracker, notes, finish, starts, trial_mod, told)
         if lap is not None:
             lap.lap("close")
             trace.emit(lap.line(index, -len(mems)).replace("sweep-trace ", "sweep-trace-group ", 1))
+    except KeyboardInterrupt as e:
+        stop.abandon(study, tracker, [m for m in mems if m.number not in told], posted, notes, f"interrupted ({getattr(e, 'name', 'SIGINT')})")
+        raise
     finally:
         for beat in beats:
             beat.join()
@@ -271,7 +288,8 @@ def torch_threads(device: Any) -> int:
     return 0
 
 
-def _end(ended: list[Any], tracker: Any, notes: list[str], finish: Callable, starts: dict[int, float], trial_mod: Any) -> None:
+def _end(ended: list[Any], tracker: Any, notes: list[str], finish: Callable, starts: dict[int, float], trial_mod: Any,
+         told: set[int]) -> None:
     """Members that ended: their runs closed, then the study told (as a trial's end is, in that order)."""
     from mpsrun.sweep.fused import record
 
@@ -281,6 +299,7 @@ def _end(ended: list[Any], tracker: Any, notes: list[str], finish: Callable, sta
     record.end(tracker, ended, notes)
     for m in ended:
         finish(m.trial, trial_mod.Outcome(m.state, m.value, m.run_id, m.message), m.values, starts.get(m.number, time.perf_counter()))
+        told.add(m.number)
 
 
 def _tags(job: Any, t: Any, values: dict[str, Any]) -> dict[str, str]:
