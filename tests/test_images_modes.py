@@ -76,6 +76,8 @@ def _write_zoo(root: Path) -> dict[str, tuple]:
         if o in (3, 6, 8):
             save(f"b/orient{o}.png", stored, exif=exif.tobytes())
             save(f"b/orient{o}.webp", stored, exif=exif.tobytes(), lossless=True)
+    # an EXIF block cut short (an editor's bug): the pixels are fine and shown as stored; nvJPEG's path hands it to PIL
+    save("a/orient_broken_exif.jpg", upright, exif=b"Exif\0\0MM\0*\0\0\0\x08\0\x05\x01\x12", quality=95)
     big = Image.fromarray(_quad(1600, 1200))  # large enough for the JPEG draft to scale by 1/8 in the DCT
     exif = Image.Exif()
     exif[ORIENTATION] = 6
