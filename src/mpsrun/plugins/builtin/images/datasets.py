@@ -3,9 +3,11 @@
 Both end the same way (`_splits`): the file list is cut into train / val (/ test), the
 images are decoded once into the uint8 cache (or the cache is reopened), unreadable files
 are skipped or refused, and the splits are `TensorDataset`s over the memory map, so the
-runner's resident rule applies unchanged: small enough, and the whole cache is copied onto
-the device once; otherwise batches are gathered from the map. The transform scales and
-normalises with the dataset's own per-channel mean and std, on the device.
+runner's resident rule applies unchanged: what fits beside the model is copied onto the device
+once; otherwise batches are gathered from the map on a thread. Images over the host memory
+budget (`host_max_gb`, MPSRUN_HOST_MAX_GB, else half the available memory) are `MappedRows`
+instead, which the training loop reads from disk in shuffled blocks within that budget. The
+transform scales and normalises with the dataset's own per-channel mean and std, on the device.
 """
 
 from __future__ import annotations

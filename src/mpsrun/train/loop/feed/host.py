@@ -20,7 +20,7 @@ import os
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -287,5 +287,3 @@ class Feed:
         if close is not None:
             close()
 
-
-Rows = Union[MemoryRows, Any]
