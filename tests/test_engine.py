@@ -194,7 +194,9 @@ def test_indexed_cuda_device_is_made_current_cuda_mock(monkeypatch) -> None:  # 
 
 @cuda
 def test_cuda_graphs_are_the_default_for_resident_data() -> None:
-    setup = _setup("device=cuda", "epochs=1")
+    setup = _setup("device=cuda", "epochs=1")  # resident_max_gb: auto decides after a measured step, under graphs alike
+    assert setup.plan.graphable and setup.options.graphs
+    setup = _setup("device=cuda", "epochs=1", "resident_max_gb=4")  # a number: placed at once
     assert setup.plan.resident and setup.options.graphs
 
 
