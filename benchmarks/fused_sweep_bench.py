@@ -139,7 +139,7 @@ def cpu(base: Path, trials: int, repeats: int) -> list[tuple[str, float, str]]:
             (f"`mpsrun sweep`, {trials} trials, fuse: off, median of {repeats}", u, f"{u / one:.2f}x")]
 
 
-def gpu(base: Path, device: str, tiny: bool) -> list[tuple[str, float, str]]:
+def gpu(base: Path, device: str, tiny: bool, cnn_epochs: int = 5, cnn_train: int = 50000) -> list[tuple[str, float, str]]:
     from mpsrun.testing.idx import write_idx_dataset
 
     data = base / "data"
@@ -153,7 +153,8 @@ def gpu(base: Path, device: str, tiny: bool) -> list[tuple[str, float, str]]:
     sweep = timed(["sweep", str(on), "-q"], d, "fashion fused")
     rows += [(f"fashion: one `mpsrun run` ({epochs} epochs)", one, "1.00x"),
              (f"fashion: `mpsrun sweep`, {trials} trials, fused", sweep, f"{sweep / one:.2f}x (target <= 3x){checked(d)}")]
-    ct, cepochs, train, val = (4, 1, 512, 128) if tiny else (16, 5, 50000, 10000)
+    _say(rows[-2:])
+    ct, cepochs, train, val = (4, 1, 512, 128) if tiny else (16, cnn_epochs, cnn_train, cnn_train // 5)
     d2, con = folder(base, "cnn", CNN.format(device=device, epochs=cepochs, train=train, val=val, trials=ct, fuse="auto"))
     coff = d2 / "off.yaml"
     coff.write_text(CNN.format(device=device, epochs=cepochs, train=train, val=val, trials=ct, fuse="off"))
@@ -163,7 +164,14 @@ def gpu(base: Path, device: str, tiny: bool) -> list[tuple[str, float, str]]:
     rows += [(f"cnn 32x32: `mpsrun sweep`, {ct} trials, fuse: off, 1 worker ({ct / w_off:.3f} trials/s)", w_off, "1.00x"),
              (f"cnn 32x32: `mpsrun sweep`, {ct} trials, fused ({ct / w_on:.3f} trials/s)", w_on,
               f"{w_off / w_on:.2f}x the trials per second (target >= 4x){checked(d2)}")]
+    _say(rows[-2:])
     return rows
+
+
+def _say(rows: list[tuple[str, float, str]]) -> None:
+    """Each row as it is measured (a run cut off by a time limit still shows what it measured)."""
+    for w, s_, r in rows:
+        print(f"| {w} | {s_:.1f} | {r} |", flush=True)
 
 
 def curve(base: Path, device: str, sizes: list[int], epochs: int, tiny: bool, out: Path | None) -> list[str]:
@@ -224,6 +232,7 @@ def curve(base: Path, device: str, sizes: list[int], epochs: int, tiny: bool, ou
         rate = m * epochs / secs
         first = first or rate
         lines.append(f"| {m} | {epochs} | {secs:.2f} | {rate:.2f} | {rate / first:.1f}x |")
+        print(lines[-1], flush=True)
         if prof is not None and out is not None:
             key = "cuda_time_total" if b.device.type == "cuda" else "cpu_time_total"
             (out / f"profile_{m}_members.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=30))
@@ -242,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="every part small: checks the script (the GPU parts too, with --gpu-parts) on a CPU")
     ap.add_argument("--gpu-parts", action="store_true", help="with --device cpu: run the cuda parts (a, b, c) on the CPU")
     ap.add_argument("--sizes", default="1,4,16,64,256", help="the curve's group sizes")
+    ap.add_argument("--curve-epochs", type=int, default=3, help="timed epochs per size of the curve (after a warm-up epoch)")
+    ap.add_argument("--cnn-epochs", type=int, default=5, help="cuda (b): epochs of each CNN trial")
+    ap.add_argument("--cnn-train", type=int, default=50000, help="cuda (b): training images of the CNN's synthetic data")
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for the profile tables and this output (default $OUT)")
     a = ap.parse_args(argv)
     out = Path(a.out) if a.out else None
@@ -254,9 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.device == "cpu" and not a.gpu_parts:
             rows = cpu(base, 4 if a.tiny else a.trials, 1 if a.tiny else a.repeats)
         else:
-            rows = gpu(base, a.device, a.tiny)
+            rows = gpu(base, a.device, a.tiny, a.cnn_epochs, a.cnn_train)
             sizes = [1, 4] if a.tiny else [int(s) for s in a.sizes.split(",")]
-            lines = curve(base, a.device, sizes, 1 if a.tiny else 3, a.tiny, out)
+            lines = curve(base, a.device, sizes, 1 if a.tiny else a.curve_epochs, a.tiny, out)
     text = [f"\nmachine: {machine(a.device)}", f"command: python benchmarks/fused_sweep_bench.py {' '.join(sys.argv[1:] if argv is None else argv)}", "",
             "| what | wall (s) | vs baseline |", "| --- | ---: | ---: |"]
     text += [f"| {w} | {s:.1f} | {r} |" for w, s, r in rows]
