@@ -181,18 +181,53 @@ def test_a_lost_trial_s_untagged_run_is_settled_when_the_results_are_published(w
     t.set_user_attr(storage.RUN_ID, orphan.info.run_id)
     storage.mark_lost(s, t, "its worker died (test)")
     assert c.get_run(orphan.info.run_id).info.status == "RUNNING"
+    # a run the study never got the id of (its worker killed between creating its fused group's runs and keeping
+    # their ids on the trials): found by its trial tag among the parent's children; another trial's RUNNING run is left alone
+    u = s.ask()
+    untold = c.create_run(parent_run.info.experiment_id, tags={"mlflow.parentRunId": parent_run.info.run_id, "mpsrun.sweep": "trial",
+                                                              "mpsrun.sweep.trial": str(u.number)})
+    storage.mark_lost(s, u, "its worker died (untold)")
+    other = c.create_run(parent_run.info.experiment_id, tags={"mlflow.parentRunId": parent_run.info.run_id, "mpsrun.sweep": "trial",
+                                                             "mpsrun.sweep.trial": "0"})  # trial 0 COMPLETE: not lost
 
     assert work.cli("sweep", str(path), "-q").exit_code == 0  # the study holds its one trial: nothing trains, results published
     run = c.get_run(orphan.info.run_id)
     assert run.info.status == "KILLED" and run.data.tags["mpsrun.sweep.counted"] == "false"
     assert run.data.tags["mpsrun.sweep.why"] == "its worker died (test)"
+    run = c.get_run(untold.info.run_id)
+    assert run.info.status == "KILLED" and run.data.tags["mpsrun.sweep.counted"] == "false"
+    assert run.data.tags["mpsrun.sweep.why"] == "its worker died (untold)"
+    assert c.get_run(other.info.run_id).info.status == "RUNNING"
+    c.set_terminated(other.info.run_id, "FINISHED")
     _, kids = children(work, "sw9")
-    assert len([k for k in kids if k.data.tags.get("mpsrun.sweep.counted") != "false"]) == 1
+    assert len([k for k in kids if k.data.tags.get("mpsrun.sweep.counted") != "false"]) == 2  # trial 0's and the stand-in's
+
+
+def _wait_epochs(proc: subprocess.Popen, work: Workdir, name: str, before: set[int], timeout: float = 120) -> int:
+    """Until a trial not in `before` has finished an epoch (its run's `mpsrun.epochs_done`); returns that run's count."""
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(work.uri)
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "no epoch finished"
+        try:
+            trials = [t for t in study(work.path, name).trials if t.state.name == "RUNNING" and t.number not in before]
+        except Exception:  # noqa: BLE001 - the journal mid-write
+            trials = []
+        for t in trials:
+            rid = t.user_attrs.get("mpsrun.run_id")
+            done = c.get_run(rid).data.tags.get("mpsrun.epochs_done") if rid else None
+            if done:
+                return int(done)
+        time.sleep(0.05)
 
 
 def test_killed_worker_then_terminated_then_rerun_gives_exactly_trials_finished(work: Workdir) -> None:
-    """SIGKILL mid-trial, then SIGTERM mid-trial (exit 143, runs KILLED), then a full run: `trials` counted, nothing RUNNING."""
-    path = recipe(work, "k.yaml", "sw5", "optimizer.lr: {low: 0.01, high: 0.2}", trials=3, epochs=10)
+    """SIGKILL mid-trial, then SIGTERM mid-trial (exit 143, runs KILLED, every finished epoch's metrics kept), then a
+    full run: `trials` counted, nothing RUNNING, each lost trial retried once."""
+    path = recipe(work, "k.yaml", "sw5", "optimizer.lr: {low: 0.01, high: 0.2}", trials=3, epochs=200)  # killed long before
     p = _mpsrun(work.path, "sweep", str(path), "-q")
     killed = _wait_mid_trial(p, work.path, "sw5")
     os.killpg(p.pid, signal.SIGKILL)
@@ -200,9 +235,26 @@ def test_killed_worker_then_terminated_then_rerun_gives_exactly_trials_finished(
 
     p = _mpsrun(work.path, "sweep", str(path), "-q")
     _wait_mid_trial(p, work.path, "sw5", before=killed)
+    seen = _wait_epochs(p, work, "sw5", killed)  # an epoch finished: what it produced must outlive the signal
     os.killpg(p.pid, signal.SIGTERM)
     out = p.communicate(timeout=120)[0]
     assert p.returncode == 143, out
+    # at once, as the process ends (not settled later by the next command): the group's members KILLED, each keeping
+    # every epoch it finished (a fused group trains in lockstep, so all the same count)
+    _, kids = children(work, "sw5")
+    first = {k.data.tags["mpsrun.sweep.group"] for k in kids if int(k.data.tags["mpsrun.sweep.trial"]) in killed}
+    termed = [k for k in kids if k.data.tags["mpsrun.sweep.group"] not in first]
+    assert len(termed) == 3 and {k.info.status for k in termed} == {"KILLED"}, [(k.info.status, k.data.tags) for k in termed]
+    assert {k.data.tags.get("mpsrun.sweep.why") for k in termed} == {"interrupted (SIGTERM)"}
+    assert {k.data.tags.get("mpsrun.sweep.counted") for k in termed} == {"false"}
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(work.uri)
+    done = {int(k.data.tags["mpsrun.epochs_done"]) for k in termed}
+    assert len(done) == 1 and seen <= min(done) < 200, done
+    for k in termed:
+        for name in ("train_loss", "val_loss", "val_accuracy"):
+            assert sorted(m.step for m in c.get_metric_history(k.info.run_id, name)) == list(range(min(done))), (k.info.run_id, name)
 
     r = work.cli("sweep", str(path), "epochs=2", "-q")  # the rest of the study, quickly (in-process: this is not about signals)
     assert r.exit_code == 0, r.output
@@ -211,18 +263,20 @@ def test_killed_worker_then_terminated_then_rerun_gives_exactly_trials_finished(
     assert not [k for k in work.runs("sw5") if k.info.status == "RUNNING"]
     counted = [k for k in kids if k.data.tags.get("mpsrun.sweep.counted") != "false"]
     assert len(counted) == 3 and all(k.data.tags["mpsrun.sweep.state"] == "COMPLETE" for k in counted)
-    lost = [k for k in kids if k.data.tags.get("mpsrun.sweep.counted") == "false"]
-    assert len(lost) == 2 and {k.info.status for k in lost} == {"KILLED"}
+    # the three trials train as one fused group (sweep.fuse: auto), so each kill loses the whole group: 3 + 3
+    lost_runs = [k for k in kids if k.data.tags.get("mpsrun.sweep.counted") == "false"]
+    assert len(lost_runs) == 6 and {k.info.status for k in lost_runs} == {"KILLED"}
+    assert {k.data.tags.get("mpsrun.sweep.group_size") for k in lost_runs} == {"3"}
     s = study(work.path, "sw5")
     from mpsrun.sweep import storage
 
     lost = storage.lost_trials(s)
-    assert len(lost) == 2
+    assert len(lost) == 6
     finished = [t for t in s.trials if storage.counted(t, lost)]
-    assert len(finished) == 3 and len({t.number for t in finished}) == 3
+    assert len(finished) == 3 and len({t.number for t in finished}) == 3  # none counted twice
     assert not [t for t in s.trials if t.state.name == "RUNNING"]
     retried = [t for t in s.trials if "mpsrun.retry_of" in t.user_attrs]
-    assert len(retried) == 2  # each lost trial queued again with its parameters
+    assert len(retried) == 6  # each lost trial queued again with its parameters
 
 
 def test_two_workers_on_a_new_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
