@@ -29,8 +29,11 @@ from mpsrun.sweep.worker import Job, TrialEnd
 EPOCH_METRICS = ("train_loss", "val_loss", "lr", "epoch_time_s", "train_time_s", "val_time_s", "train_samples_per_s", "memory_bytes", "grad_norm")
 
 
-# Set (tests, benchmarks that want every worker in from the first trial): worker 0 waits for the others before its
-# first trial. Off by default: waiting for the slowest start leaves the device idle meanwhile.
+# Set (tests, benchmarks that want every worker in from the first trial): every worker waits until all are ready before
+# its first trial (worker 0 for the others' READY lines, the others for the end of their stdin, which worker 0 closes
+# then). Why both ways: worker 0 loads its data only once the study and the parent exist, seconds after the others, and
+# a fused worker asks for a group at once: the first one ready took every trial of a small sweep. Off by default:
+# waiting for the slowest start leaves the device idle meanwhile.
 ENV_TOGETHER = "MPSRUN_SWEEP_TOGETHER"
 
 
@@ -130,9 +133,23 @@ class Early:
     pipes: list[int] = field(default_factory=list)  # each worker's report pipe (worker.report_to), read by _relay
     sent: bool = False
 
-    def send(self, job: Job) -> None:
-        self._end_input((job.to_json() + "\n").encode())
+    def send(self, job: Job, hold: bool = False) -> None:
+        """The job to every worker; `hold`: their stdin left open, so they wait after loading until `go`."""
+        if hold:
+            for proc in self.procs:
+                try:
+                    assert proc.stdin is not None
+                    proc.stdin.write((job.to_json() + "\n").encode())
+                    proc.stdin.flush()
+                except (OSError, ValueError):  # a worker that already ended (its exit code says why)
+                    pass
+        else:
+            self._end_input((job.to_json() + "\n").encode())
         self.sent = True
+
+    def go(self) -> None:
+        """Held workers start their first trial (the end of their stdin); a no-op once it is closed."""
+        self._end_input()
 
     def abandon(self) -> None:
         """The command ends before the workers had their job (bad input, a signal): end them now."""
@@ -196,7 +213,8 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
               p.workers, len(study.get_trials(deepcopy=False)))
     if early is None:
         early = launch(p)
-    early.send(job)
+    together = os.environ.get(ENV_TOGETHER, "") not in ("", "0")
+    early.send(job, hold=together)
     procs: list[subprocess.Popen] = early.procs
     code, message = EXIT_OK, ""
     status = "FINISHED"
@@ -219,14 +237,18 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
             if pipes:  # the extra workers' trials, shown on this screen as they end
                 reader = threading.Thread(target=_relay, args=(pipes, study, ended, arrived), name="mpsrun-sweep-relay", daemon=True)
                 reader.start()
-            together = os.environ.get(ENV_TOGETHER, "") not in ("", "0")
+            def all_ready() -> None:
+                _all_ready(arrived, len(pipes))
+                early.go()
+
             try:
-                tally = worker.work(job, p.resolved, 0, ended, ready=(lambda: _all_ready(arrived, len(pipes))) if together else None,
-                                    tracker=tracker)
+                tally = worker.work(job, p.resolved, 0, ended, ready=all_ready if together else None, tracker=tracker)
                 fused_said = tally.said.all() if tally.said is not None else []
             except trial_mod.BadInput as e:
                 code, message = EXIT_INPUT, str(e)
                 _signal(procs, signal.SIGTERM)
+            finally:
+                early.go()  # held workers never wait on a worker 0 that ended before it was ready
             if any(proc.poll() is None for proc in procs):
                 _warm_figures()  # while the others finish their last trials: the parent's figures come next
             trace.mark("worker0_ended")

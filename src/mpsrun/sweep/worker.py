@@ -200,6 +200,8 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
     study = load_study(job, resolved, index, marker.lost)
     if ready is not None:
         ready()
+    if late is not None:
+        wait_go()  # MPSRUN_SWEEP_TOGETHER: until every worker is ready (drive.ENV_TOGETHER); else its stdin has ended already
     tracing = trace.enabled()
     totals = trace.Totals(index) if tracing else None
     ready_s = time.perf_counter() - _T0  # this module's import to the first ask: the worker's start
@@ -376,6 +378,14 @@ def late_job() -> Job | None:
     """The whole job, one JSON line the command writes once its study and parent run exist; None at end of input."""
     line = sys.stdin.readline()
     return Job.from_json(line) if line.strip() else None
+
+
+def wait_go() -> None:
+    """Until the end of stdin: at once, unless the command holds its workers until all are ready (drive.Early.go)."""
+    try:
+        sys.stdin.read()
+    except (OSError, ValueError):  # no stdin (a worker started by hand): nothing to wait for
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:

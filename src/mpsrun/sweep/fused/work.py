@@ -98,6 +98,12 @@ def loop(job: Any, resolved: Resolved, index: int, tracker: Any, study: Any, mar
         if left <= 0:
             break
         n = min(most, left)
+        if job.workers > 1:  # each worker its share of the trials not yet done (a group per GPU), not the first to ask all
+            share = -(-(job.target - done) // job.workers)
+            if share < n:
+                n = share
+                said.add(f"fuse: {job.workers} workers, so a worker's group takes its share of the trials left (1/{job.workers}), "
+                         "not all of them")
         if sweep.pruner == "median" and done < STARTUP:
             n = min(n, STARTUP - done)
             said.add(f"fuse: the median pruner compares with finished trials, so the first {STARTUP} train as groups of their own")
