@@ -188,3 +188,38 @@ def test_fuse_off_runs_every_trial_as_before(work: Workdir) -> None:
     assert r.exit_code == 0, r.output
     kids = [k for k in work.runs("fused_off") if k.data.tags.get("mpsrun.sweep") == "trial"]
     assert len(kids) == 2 and not any("mpsrun.sweep.group" in k.data.tags for k in kids)
+
+
+def test_a_signal_during_a_group_s_bookkeeping_is_raised_when_the_step_ends() -> None:
+    """Real signals to this process: SIGTERM within `stop.held` waits for the block's end, then raises as
+    interrupt.stop_on_signals does (exit 143); a second signal within the block hands the first over at once."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from mpsrun.sweep.fused import stop
+    from mpsrun.train.keep import interrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers need the main thread, which this test runner does not give tests")
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    steps: list[str] = []
+    with pytest.raises(KeyboardInterrupt) as e:
+        with interrupt.stop_on_signals():
+            with stop.held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)  # the handler runs here were the signal not held
+                steps.append("step done")
+            steps.append("not reached")
+    assert steps == ["step done"] and getattr(e.value, "exit_code", None) == 143
+    with pytest.raises(KeyboardInterrupt) as e:
+        with interrupt.stop_on_signals():
+            with stop.held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)
+                os.kill(os.getpid(), signal.SIGINT)  # the user insists: the first signal is raised now
+                time.sleep(0.05)
+                steps.append("not reached")
+    assert steps == ["step done"] and getattr(e.value, "exit_code", None) == 143
+    assert {s: signal.getsignal(s) for s in before} == before  # the handlers given back
