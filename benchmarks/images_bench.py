@@ -345,7 +345,7 @@ def main() -> None:
             y = torch.randint(0, a.classes, (a.n,), generator=g)
             xv, yv = x[: a.batch], y[: a.batch]
             tf = ImageTransform(mean=(0.5,) * 3, std=(0.25,) * 3)
-            ceiling, _ = engine_run(TensorDataset(x, y), TensorDataset(xv, yv), tf, None, a, device, (3, a.crop, a.crop))
+            ceiling, _, _ = engine_run(TensorDataset(x, y), TensorDataset(xv, yv), tf, None, a, device, (3, a.crop, a.crop))
             say(f"same model on resident random uint8 tensors: {ceiling:,.0f} img/s")
 
     for path, r in rates.items():
