@@ -1,4 +1,4 @@
-"""The CUDA side of code that other tests reach only on the CPU: eval, pyfunc, resume and a sweep on a GPU.
+"""The CUDA side of code that other tests reach only on the CPU: eval, pyfunc, resume, a sweep and `mpsrun ui` on a GPU.
 
 Runs on a CUDA machine (the GPU gate, `bash .ci/gpu`); skipped elsewhere. A model trained
 on the GPU is evaluated there (by default) and on the CPU (`--device cpu`), and answers
@@ -148,3 +148,30 @@ def test_a_sweep_trains_its_trials_on_the_gpu(work: Any) -> None:
     children = [x for x in work.runs("gpusweep") if "mlflow.parentRunId" in x.data.tags]
     assert len(children) == 2
     assert all(c.info.status == "FINISHED" and c.data.tags["device.actual"].startswith("cuda") for c in children)
+
+
+def test_mpsrun_ui_serves_a_cuda_runs_gpu_system_metrics(trained_on_gpu) -> None:
+    """The GPU's own curves (NVML, through nvidia-ml-py) are recorded for a CUDA run and answered by `mpsrun ui`'s server."""
+    import os
+    import signal as sig
+    import urllib.parse
+    import urllib.request
+
+    from tests.proc_helpers import free_port
+    from tests.test_ui_start import Ui
+
+    work, run = trained_on_gpu
+    assert "GPU utilisation not recorded" not in run.data.tags.get("mpsrun.notes", ""), run.data.tags.get("mpsrun.notes")
+    gpu_keys = sorted(k for k in run.data.metrics if k.startswith("system/gpu_0_"))
+    assert "system/gpu_0_memory_usage_megabytes" in gpu_keys, sorted(run.data.metrics)
+    ui = Ui(work.path, free_port())
+    try:
+        ui.wait_link()
+        q = urllib.parse.urlencode({"run_id": run.info.run_id, "metric_key": "system/gpu_0_memory_usage_megabytes"})
+        with urllib.request.urlopen(f"{ui.url}/ajax-api/2.0/mlflow/metrics/get-history?{q}", timeout=30) as r:
+            history = json.loads(r.read())["metrics"]
+        assert history and all(m["value"] > 0 for m in history), history
+    finally:
+        if ui.proc.poll() is None:
+            os.killpg(ui.proc.pid, sig.SIGTERM)
+        ui.finish()
