@@ -84,6 +84,7 @@ def run_plan(p, quiet: bool, early=None, handed: Optional[list] = None) -> None:
     """Open the study and its parent run, run the workers, print progress and the result; exits with its code."""
     from mpsrun.sweep import drive, parent, storage
 
+    drive.warm_training()  # torch and the runner import on a thread while the study and the parent run open
     try:
         study = drive.create_study(p)
     except Exception as e:  # noqa: BLE001 - a database that does not answer, a journal we cannot write
