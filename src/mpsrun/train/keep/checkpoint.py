@@ -150,7 +150,7 @@ class Checkpointer(Callback):
     siblings: Callable[[], Callback] | None = None  # the Callbacks holding every callback's state
     hyper: dict[str, Any] = field(default_factory=dict)  # optimizer settings overridden on resume: win over the saved ones
     ranks_rng: bool = True  # DDP: gather every rank's random state at epoch ends (False: the job writes no checkpoints)
-    directory: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mpsrun-ckpt-")))
+    directory: Path | None = None  # the local copies' folder, made with the first checkpoint (`_dir`)
     best: float | None = None
     best_epoch: int | None = None
     last_epoch: int | None = None  # of the newest durable checkpoint
@@ -290,8 +290,8 @@ class Checkpointer(Callback):
 
     def _write(self, job: _Job) -> None:
         t = time.perf_counter()
-        first = self.directory / job.names[0]
-        prev = LAST in job.names and (self.directory / LAST).is_file()
+        first = self._dir() / job.names[0]
+        prev = LAST in job.names and (self._dir() / LAST).is_file()
         if prev:  # this session's previous last.pt, verified when written: kept until the new one is up
             os.replace(self.directory / LAST, self.directory / PREV)
         _write_atomic(job.state, first)
@@ -322,7 +322,7 @@ class Checkpointer(Callback):
     def _prune(self) -> None:
         while len(self._uploaded) > self.spec.keep:
             old = self._uploaded.pop(0)
-            (self.directory / old).unlink(missing_ok=True)
+            (self._dir() / old).unlink(missing_ok=True)
             if self.remove is not None and not self.remove(old):
                 self.note(f"checkpoint.keep: cannot delete checkpoints/{old} from this artifact store; it stays")
 
@@ -338,8 +338,22 @@ class Checkpointer(Callback):
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+        if self.directory is None:
+            return
         if self.upload is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
+        else:
+            try:
+                self.directory.rmdir()  # only where it is empty: without an upload the local copies are the only ones
+            except OSError:
+                pass
+
+    def _dir(self) -> Path:
+        """The local copies' folder, made when the first checkpoint is written: a run (or a fused sweep's member,
+        which builds a checkpointer and writes no checkpoint) that writes none leaves no empty folder behind."""
+        if self.directory is None:
+            self.directory = Path(tempfile.mkdtemp(prefix="mpsrun-ckpt-"))
+        return self.directory
 
     # -- the end of fit
     def best_weights(self) -> dict[str, Any] | None:
