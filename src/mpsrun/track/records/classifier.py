@@ -13,20 +13,16 @@ into a decision. Through pyfunc a classifier answers, per input row:
 `mlflow.pytorch.load_model` still gives the plain module (raw scores as a tensor).
 
 This file is copied into each logged classifier's `code/` folder as `mpsrun_classifier.py`,
-beside the pyfunc loader `mpsrun_pyfunc.py` (track/records/pyfunc_loader.py) that wraps
-the model in `Classifier`: MLflow imports both from there in a process without mpsrun, so it imports only what the model's requirements hold
-(mlflow, numpy, pandas; torch through mlflow.pytorch). The class names sit beside the
-weights in `data/classes.json`.
+beside the pyfunc loader `mpsrun_pyfunc.py` (track/records/pyfunc_loader.py), which wraps the
+model in `Classifier`: MLflow imports both from there in a process without mpsrun, so this
+file imports only numpy and pandas. The class names sit beside the weights in
+`data/classes.json`. (Models logged before that loader carry their own older copy of this
+file, with its own `_load_pyfunc`.)
 """
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
-
-LOADER_MODULE = "mpsrun_classifier"  # the name this file has inside a logged model
-CLASSES_FILE = "classes.json"  # in the model's data folder
 
 
 def class_names(num_classes: int, info: dict[str, Any] | None) -> list[str]:
@@ -70,16 +66,3 @@ class Classifier:
         import numpy as np
 
         return table(np.asarray(self.scores.predict(data, params)), self.classes)
-
-
-def _load_pyfunc(path: str, model_config: Any = None) -> Classifier:
-    """MLflow's entry point in models logged before `mpsrun_pyfunc` (track/records/pyfunc_loader.py) loaded them.
-
-    Newer models name `mpsrun_pyfunc` as their loader, which puts the program on the loading
-    machine's device and wraps it in `Classifier` from here.
-    """
-    import mlflow.pytorch
-
-    with open(os.path.join(path, CLASSES_FILE)) as f:
-        classes = json.load(f)["classes"]
-    return Classifier(mlflow.pytorch._load_pyfunc(path, model_config), classes)

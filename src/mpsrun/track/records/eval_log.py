@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mpsrun.track.records import datasets as track_datasets
-from mpsrun.track.records import pyfunc_loader, standard
+from mpsrun.track.records import model_pt2, pyfunc_loader, standard
 from mpsrun.track.records.model_log import ARTIFACT
 
 
@@ -84,9 +84,9 @@ def load(uri: str, model_uri: str, device: Any = "cpu") -> tuple[Any, str]:
     mlflow.set_tracking_uri(uri)
     with tempfile.TemporaryDirectory() as d:
         local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=d))
-        pt2 = local / "data" / pyfunc_loader.PT2_FILE
+        pt2 = local / model_pt2.DATA / pyfunc_loader.PT2_FILE
         if pt2.exists():
-            pyfunc_loader._validate(str(pt2))
+            pyfunc_loader.validate(str(pt2))
             return pyfunc_loader.load_program(str(pt2), device)
         model = mlflow.pytorch.load_model(str(local), map_location="cpu")
     return model.to(device), str(device)

@@ -29,7 +29,7 @@ from mpsrun.track.records import classifier, pyfunc_loader
 
 FLAVOR = "pytorch"  # mlflow.pytorch.FLAVOR_NAME
 DATA = "data"  # mlflow.pytorch._MODEL_DATA_SUBPATH
-PT2_FILE = "model.pt2"  # mlflow.pytorch._EXPORTED_TORCH_MODEL_FILE_NAME
+PT2_FILE = pyfunc_loader.PT2_FILE  # mlflow.pytorch._EXPORTED_TORCH_MODEL_FILE_NAME
 PICKLE_MODULE = "mlflow.pytorch.pickle_module"  # recorded by mlflow.pytorch for pyfunc, pt2 or not
 CODE = "code"  # the model folder's code directory (pyfunc puts it on sys.path): mpsrun's pyfunc loader
 
@@ -98,7 +98,7 @@ class _Flavor:
         if self.classes is not None:
             import json
 
-            with open(os.path.join(path, DATA, classifier.CLASSES_FILE), "w") as f:
+            with open(os.path.join(path, DATA, pyfunc_loader.CLASSES_FILE), "w") as f:
                 json.dump({"classes": self.classes}, f, indent=2)
             shutil.copyfile(classifier.__file__, os.path.join(path, CODE, f"{pyfunc_loader.CLASSIFIER_MODULE}.py"))
         pyfunc.add_to_model(

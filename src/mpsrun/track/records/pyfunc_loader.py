@@ -22,7 +22,8 @@ from typing import Any
 
 LOADER_MODULE = "mpsrun_pyfunc"  # the name this file has inside a logged model
 CLASSIFIER_MODULE = "mpsrun_classifier"  # track/records/classifier.py, copied beside it for a classifier
-PT2_FILE = "model.pt2"
+PT2_FILE = "model.pt2"  # in the model's data folder (mlflow.pytorch's name for it)
+CLASSES_FILE = "classes.json"  # a classifier's class names, in the data folder
 
 
 def default_device() -> str:
@@ -57,7 +58,7 @@ def load_program(pt2_file: str, device: Any = "cpu") -> tuple[Any, str]:
         return ep.module(), "cpu"
 
 
-def _validate(pt2_file: str) -> None:
+def validate(pt2_file: str) -> None:
     """MLflow's own check that the archive holds no pickle, where this MLflow has it and asks for it."""
     try:
         from mlflow import pytorch as mp
@@ -76,10 +77,10 @@ def _load_pyfunc(path: str, model_config: Any = None) -> Any:
 
     wanted = (model_config or {}).get("device") or default_device()
     pt2 = os.path.join(path, PT2_FILE)
-    _validate(pt2)
+    validate(pt2)
     module, device = load_program(pt2, wanted)
     scores = _PyTorchWrapper(module, device=device)
-    classes_file = os.path.join(path, "classes.json")
+    classes_file = os.path.join(path, CLASSES_FILE)
     if not os.path.exists(classes_file):
         return scores
     import importlib
