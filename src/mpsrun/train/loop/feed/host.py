@@ -89,9 +89,7 @@ Source = Any  # MemoryRows or stream.DiskRows: begin(generator, shuffle) -> epoc
 class HostBatches:
     """Batches gathered on the host, on a thread, and handed to the device ahead of the step that needs them."""
 
-    resident = False
-
-    def __init__(self, source: Source, batch_size: int, device: torch.device, shuffle: bool, seed: int, labels_dtype: torch.dtype = torch.int64) -> None:
+    def __init__(self, source: Source, batch_size: int, device: torch.device, shuffle: bool, seed: int) -> None:
         self.source = source
         self.n = source.n
         self.samples = self.n
@@ -101,7 +99,6 @@ class HostBatches:
         self.seed = seed
         self.path_name = source.path_name
         self.cuda = device.type == "cuda"
-        self.non_blocking = self.cuda
         self.ahead = DEVICE_SLOTS  # device slots; GraphTrainer raises it to two replays' worth of batches
         self._gen = torch.Generator().manual_seed(seed)
         self._x_dtype = source.head(1)[0].dtype
