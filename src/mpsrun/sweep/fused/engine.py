@@ -31,7 +31,6 @@ class Group:
         self.nva = int(b.sources[0][3].shape[0])
         dev = b.device
         self.loss_sum = torch.zeros(len(self.active), device=dev)
-        self.extra_notes: list[str] = []
 
     # -- data
     def _streams(self) -> tuple[list[tuple[int, int]], torch.Tensor | None]:

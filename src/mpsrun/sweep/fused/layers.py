@@ -79,7 +79,6 @@ class Stacked:
             self.p_drop.append([float(p[i].p) for p in per] if isinstance(layer, nn.Dropout) else [])
         self.generators = generators  # each member's own (dropout), as its solo run's global generator
         self.training = True
-        self.m = len(models)
         self.exact = bool(self.params) and self.params[0].device.type == "cpu"  # each member's own kernels, bit for bit
 
     def train(self, mode: bool = True) -> None:
@@ -87,12 +86,6 @@ class Stacked:
 
     def eval(self) -> None:
         self.training = False
-
-    def buffers(self) -> list[torch.Tensor]:
-        return [t for slot in self.where for k, t in slot.items() if not t.requires_grad]
-
-    def has_dropout(self) -> bool:
-        return any(p and max(p) > 0 for p in self.p_drop)
 
     def keep(self, idx: list[int]) -> None:
         """Only these members go on (the others left the group): every stacked tensor narrowed to them."""
@@ -109,7 +102,6 @@ class Stacked:
         self.p_drop = [[p[j] for j in idx] if p else [] for p in self.p_drop]
         if self.generators is not None:
             self.generators = [self.generators[j] for j in idx]
-        self.m = len(idx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer, slot, p in zip(self.layers, self.where, self.p_drop):
@@ -215,12 +207,3 @@ def _norm(layer: Any, slot: dict[str, torch.Tensor], x: torch.Tensor, training: 
         slot["num_batches_tracked"].add_(1)
     y = F.batch_norm(xin, flat(rm), flat(rv), flat(w), flat(bias), training, layer.momentum, layer.eps)
     return y.reshape(b, m, c, *y.shape[2:]).transpose(0, 1)
-
-
-def unstack(stacked: Stacked, j: int, model: nn.Module) -> nn.Module:
-    """Member j's weights put back into a model of its own shape (a logged model, a check)."""
-    with torch.no_grad():
-        for layer, slot in zip(flat_layers(model), stacked.where):
-            for k, t in slot.items():
-                getattr(layer, k).copy_(t[j])
-    return model

@@ -41,7 +41,6 @@ class Member:
     message: str = ""
     run_id: str | None = None
     history: list[dict[str, float]] = field(default_factory=list)
-    error: BaseException | None = None
 
     @property
     def number(self) -> int:
@@ -60,10 +59,7 @@ class Built:
     batch_size: int
     epochs: int
     ce: dict[str, Any] | None  # batched cross-entropy's arguments; None: each member's own loss, one by one
-    task: str
     splits: Any  # the first member's (dataset inputs, data sizes)
-    exact: bool
-    notes: list[str] = field(default_factory=list)
 
 
 def _data_key(resolved: Resolved) -> str:
@@ -142,8 +138,7 @@ def build(members: list[Member], cache: dict[str, Any]) -> Built:
     exact = device.type == "cpu"
     opt = optim.FusedOptimizer(r0.optimizer.name, stacked.params, [m.hyper for m in members if m.hyper], exact)
     ce = None if exact else _batched_ce(members)  # the CPU: each member's own loss object, as alone (bit for bit)
-    return Built(members, stacked, opt, sources, first_splits.transform, choice, device, r0.batch_size, r0.epochs, ce,
-                 members[0].metrics.task, first_splits, exact)
+    return Built(members, stacked, opt, sources, first_splits.transform, choice, device, r0.batch_size, r0.epochs, ce, first_splits)
 
 
 def _source(raw: list[tuple], data: tuple) -> int:

@@ -152,10 +152,9 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
     (stop.held), then every member not yet told keeps each epoch it finished, its run ends KILLED and
     its trial is lost and queued again (stop.abandon), as an interrupted unfused trial's is.
     """
+    from mpsrun.sweep import trace
     from mpsrun.sweep import trial as trial_mod
     from mpsrun.sweep.fused import engine, members, record
-
-    from mpsrun.sweep import trace
 
     lap = trace.Phases() if trace.enabled() else None
     mems = [members.Member(t, values, r, _tags(job, t, values)) for t, values, r, _ in items]
@@ -167,7 +166,7 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
     try:
         try:
             b = members.build(mems, data)
-        except (members.Unfusable, Exception) as e:  # noqa: BLE001 - the group's trials run one by one, as without fusing
+        except Exception as e:  # noqa: BLE001 - Unfusable or a failed build: the group's trials run one by one, as without fusing
             why = str(e) if isinstance(e, members.Unfusable) else f"the group could not be built ({type(e).__name__}: {e})"
             for m in mems:
                 said.unfused(m.number, why)
@@ -226,8 +225,6 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
         threads = torch_threads(b.device)
         try:
             g.run(on_epoch, listen)
-        except KeyboardInterrupt:
-            raise
         except Exception as e:  # noqa: BLE001 - out of memory, a layer that failed: the group's running members fail with it
             for m in g.active:
                 m.state, m.message = "FAILED", f"{type(e).__name__}: {e}"
@@ -239,7 +236,7 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
         if lap is not None:
             lap.lap("train")
         with stop.held():
-            _end([m for m in g.active], tracker, notes, finish, starts, trial_mod, told)
+            _end(list(g.active), tracker, notes, finish, starts, trial_mod, told)
         if lap is not None:
             lap.lap("close")
             trace.emit(lap.line(index, -len(mems)).replace("sweep-trace ", "sweep-trace-group ", 1))
