@@ -19,7 +19,7 @@ from torch import nn
 from mpsrun.devices import resolve as devices
 from mpsrun.train import warm
 from mpsrun.train.controls.callbacks import Callback, RunState
-from mpsrun.train.loop.data import BatchPlan, ResidentBatches
+from mpsrun.train.loop.data import BatchPlan
 from mpsrun.train.loop.events import EpochMetrics, Listener, Listeners, TrainResult
 from mpsrun.train.ranks.distributed import rank, reduce_sums
 from mpsrun.train.loop.objective import Objective
@@ -181,8 +181,10 @@ def _measured_step(trainer: Trainer, x: torch.Tensor, y: torch.Tensor) -> int:
 
 
 def _first_batch(batches: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(batches, ResidentBatches):
-        return batches.x[: batches.batch_size], batches.y[: batches.batch_size]
+    """One batch on the device: the first rows where the batches have them (resident, host: no epoch started, no
+    feeding thread, no disk window read for one batch), else the loader's first batch."""
+    if hasattr(batches, "head"):
+        return batches.head(batches.batch_size)
     return next(iter(batches))
 
 
