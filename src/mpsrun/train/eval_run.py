@@ -131,7 +131,6 @@ def evaluate(target: str, overrides: list[str], tracking_uri: str | None = None,
 
     `device`: auto (the best this machine has: the GPU a CUDA run trained on, else the CPU) or a device name.
     """
-    requested = device
     if split not in SPLITS:
         raise InputError(f"--split must be one of {', '.join(SPLITS)}, not '{split}'")
     _check_overrides(overrides)
@@ -142,7 +141,7 @@ def evaluate(target: str, overrides: list[str], tracking_uri: str | None = None,
     except eval_log.EvalInputError as e:
         raise InputError(str(e)) from None
     try:
-        choice = devices.resolve(requested, ["cpu"] if requested == "auto" else [])
+        choice = devices.resolve(device, ["cpu"] if device == "auto" else [])
     except devices.DeviceUnavailable as e:
         raise InputError(str(e)) from None
     with tempfile.TemporaryDirectory() as d:
@@ -157,14 +156,14 @@ def evaluate(target: str, overrides: list[str], tracking_uri: str | None = None,
     if ds is None:
         raise InputError(f"dataset '{recipe.dataset.name}' has no {split} split")
     model, on = eval_log.load(uri, t.model_uri, choice.device)
-    device = torch.device(on)  # the CPU where the program could not be moved (said by the loader's warning)
+    ran_on = torch.device(on)  # the CPU where the program could not be moved (said by the loader's warning)
     t0 = time.perf_counter()
     loss = {"name": recipe.loss.name, **recipe.loss.kwargs} if recipe.loss is not None else None
-    metrics, y, out = measure(model, ds, recipe.batch_size, device, splits, loss, recipe.metrics)
+    metrics, y, out = measure(model, ds, recipe.batch_size, ran_on, splits, loss, recipe.metrics)
     metrics["eval_time_s"] = time.perf_counter() - t0
     raw = raw_tensors(ds)
     features = raw[0] if raw is not None else torch.empty(0)
-    name = standard.run_name(f"eval-{recipe.model.name}", recipe.dataset.name, str(device))
+    name = standard.run_name(f"eval-{recipe.model.name}", recipe.dataset.name, str(ran_on))
     shown = {k: v for k, v in metrics.items() if k in ("eval_accuracy", "eval_loss", "eval_mae", "eval_r2")}
     tags = {
         "mpsrun.eval.model_uri": t.model_uri,
@@ -172,9 +171,9 @@ def evaluate(target: str, overrides: list[str], tracking_uri: str | None = None,
         "mpsrun.eval.split": split,
         "mpsrun.eval.overrides": " ".join(overrides),
         "mpsrun.command": "mpsrun eval " + " ".join([target, *overrides]),
-        "device.actual": str(device),
-        "device.requested": requested,
-        "device.fallback": "true" if device.type != choice.device.type else "false",  # a program that could not be moved
+        "device.actual": str(ran_on),
+        "device.requested": device,
+        "device.fallback": "true" if ran_on.type != choice.device.type else "false",  # a program that could not be moved
         "mlflow.note.content": f"Evaluated {t.model_uri} (trained in run {t.run_id}) on the {split} split of "
         f"`{recipe.dataset.name}`: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()) + ".",
     }
@@ -185,4 +184,4 @@ def evaluate(target: str, overrides: list[str], tracking_uri: str | None = None,
         figures.log_predictions(c_, run_id, shown_y, shown_out, title, split=SPLITS[split])
 
     run_id = eval_log.log(c, t, name, metrics, tags, recipe.dataset.name, Split(SPLITS[split], features, torch.as_tensor(y)), _figures)
-    return EvalResult(run_id, t.experiment_id, t.model_uri, t.run_id, split, int(metrics["eval_samples"]), str(device), metrics)
+    return EvalResult(run_id, t.experiment_id, t.model_uri, t.run_id, split, int(metrics["eval_samples"]), str(ran_on), metrics)
