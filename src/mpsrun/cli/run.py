@@ -86,7 +86,7 @@ def run(
     console.print(
         f"[bold]mpsrun[/] {recipe}  model={r.model.name} dataset={r.dataset.name} "
         f"device={setup.choice.device} (requested {r.device})  epochs={r.epochs} batch={r.batch_size}  "
-        f"data={'resident' if setup.plan.resident else 'placed after a measured step' if setup.plan.pending else getattr(setup.plan.train, 'path_name', 'dataloader')}  precision={setup.options.precision} "
+        f"data={'placed after a measured step' if setup.plan.pending else setup.plan.path}  precision={setup.options.precision} "
         f"graphs={'on' if setup.options.graphs else 'off'}",
         highlight=False,
     )

@@ -273,7 +273,7 @@ def run_tags(setup: Setup) -> dict[str, str]:
             "mpsrun.overrides": " ".join(r.overrides),
             "mpsrun.version": _version(),
             "mpsrun.command": " ".join(sys.argv),
-            "data.path": "resident" if setup.plan.resident else getattr(setup.plan.train, "path_name", "dataloader"),
+            "data.path": setup.plan.path,
             "data.path_reason": setup.plan.reason,
             "memory.kind": devices.memory_kind(setup.choice.device),
         }

@@ -192,6 +192,11 @@ class BatchPlan:
     pending: Optional[Pending] = None  # auto on CUDA: host batches until `settle` has measured a step
 
     @property
+    def path(self) -> str:
+        """The data path's name (screen, and the `data.path` tag): resident, else the batches' own, else dataloader."""
+        return "resident" if self.resident else getattr(self.train, "path_name", "dataloader")
+
+    @property
     def graphable(self) -> bool:
         """Whether CUDA graphs can replay this plan's steps: fixed-shape batches copied into their static input."""
         return all(hasattr(b, "feeder") for b in (self.train, self.val))

@@ -58,7 +58,7 @@ def train(
         note = plan.settle(lambda x, y: _measured_step(trainer, x, y), GRAPH_STEPS if isinstance(trainer, GraphTrainer) else 0)
         options.notes.append(note)
         listener.on_note(note)
-        getattr(state.log, "set_tags", lambda tags: None)({"data.path": "resident" if plan.resident else plan.train.path_name, "data.path_reason": plan.reason})
+        getattr(state.log, "set_tags", lambda tags: None)({"data.path": plan.path, "data.path_reason": plan.reason})
     if trainer.scaler is not None:  # fp16: checkpoints carry the grad scaler; a restored one is used
         trainer.scaler = state.extras.setdefault("scaler", trainer.scaler)
     n_train = plan.train.samples
