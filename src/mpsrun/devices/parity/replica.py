@@ -175,7 +175,7 @@ def _device(name: str) -> torch.device:
 
 def _precision(resolved: Resolved, device: torch.device, model: nn.Module) -> tuple[str, bool, list[str]]:
     """The engine's own choice of precision and channels_last for this device."""
-    plan = types.SimpleNamespace(resident=False, graphable=False)  # only the graphs choice reads it; parity runs eager
+    plan = types.SimpleNamespace(graphable=False)  # only the graphs choice reads it; parity runs eager
     opts = runner.resolve_options(resolved.recipe, device, model, plan)  # type: ignore[arg-type]
     notes = [n for n in opts.notes if n.startswith("precision")]
     return opts.precision, opts.channels_last, notes
