@@ -27,9 +27,12 @@ import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import closing
 from pathlib import Path
 from types import FrameType
 from typing import Callable, Optional
+
+from mpsrun.track.store.lock import sqlite_path
 
 GRACE_S = 10.0  # after forwarding a signal, how long the server may take before SIGKILL
 EXIT_BY_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -51,10 +54,9 @@ def log_path(uri: str, port: int) -> Path:
     for when something goes wrong, and its path is said on screen.
     """
     name = f"mlflow-ui-{port}.log"
-    if uri.startswith("sqlite:///"):
-        folder = Path(uri.removeprefix("sqlite:///")).parent
-        if os.access(folder, os.W_OK):
-            return folder / name
+    db = sqlite_path(uri)
+    if db is not None and os.access(db.parent, os.W_OK):
+        return db.parent / name
     return Path(tempfile.gettempdir()) / f"mpsrun-{name}"
 
 
@@ -77,9 +79,10 @@ def choose_experiment(uri: str, name: str | None) -> tuple[str, str]:
 
     LookupError(name) when `name` is not in the store.
     """
-    if uri.startswith("sqlite:///"):
+    db = sqlite_path(uri)
+    if db is not None:
         try:
-            return _choose_in_sqlite(uri.removeprefix("sqlite:///"), name)
+            return _choose_in_sqlite(db, name)
         except sqlite3.Error:  # not MLflow's tables as expected: ask MLflow
             pass
     from mpsrun.track.store.client import client
@@ -100,14 +103,19 @@ def choose_experiment(uri: str, name: str | None) -> tuple[str, str]:
     return (default.experiment_id, default.name) if default is not None else ("0", "Default")
 
 
-def _choose_in_sqlite(db: str, name: str | None) -> tuple[str, str]:
+def _read_only(db: Path) -> "closing[sqlite3.Connection]":
+    """A read-only connection to the store's database, closed on leaving the `with`."""
+    return closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10))
+
+
+def _choose_in_sqlite(db: Path, name: str | None) -> tuple[str, str]:
     """`choose_experiment` read straight from a SQLite store, read-only: active experiments and runs, as MLflow's
     searches list them by default.
 
     Why not MLflowClient: importing MLflow and opening the store through it took seconds of the 2-core
     machine's CPU while the server, on the other core, was starting; the link waited for both.
     """
-    with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10) as con:
+    with _read_only(db) as con:
         if name is not None:
             row = con.execute("SELECT experiment_id, name FROM experiments WHERE name = ? AND lifecycle_stage = 'active'", (name,)).fetchone()
             if row is None:
@@ -124,9 +132,10 @@ def _choose_in_sqlite(db: str, name: str | None) -> tuple[str, str]:
 
 def experiment_names(uri: str) -> list[str]:
     """The active experiments' names (for a did-you-mean); a SQLite store read without MLflow, as `choose_experiment`."""
-    if uri.startswith("sqlite:///"):
+    db = sqlite_path(uri)
+    if db is not None:
         try:
-            with sqlite3.connect(f"file:{uri.removeprefix('sqlite:///')}?mode=ro", uri=True, timeout=10) as con:
+            with _read_only(db) as con:
                 return [r[0] for r in con.execute("SELECT name FROM experiments WHERE lifecycle_stage = 'active'")]
         except sqlite3.Error:
             pass
@@ -138,16 +147,15 @@ def experiment_names(uri: str) -> list[str]:
 def warm(uri: str) -> None:
     """Import MLflow's client while the server starts, so the link follows its first answer closely; not for a
     SQLite store, which is read without MLflow (`_choose_in_sqlite`)."""
-    if not uri.startswith("sqlite:///"):
+    if sqlite_path(uri) is None:
         from mlflow.tracking import MlflowClient  # noqa: F401
 
 
 def store_exists(uri: str) -> bool:
     """Whether the store can be read before the server has started: not a SQLite file yet to be created
     (the server creates it; a second process creating it at the same time could collide)."""
-    if uri.startswith("sqlite:///"):
-        return os.path.exists(uri.removeprefix("sqlite:///"))
-    return True
+    db = sqlite_path(uri)
+    return db is None or db.exists()
 
 
 def answers(url: str, timeout: float = 1.0) -> bool:
