@@ -176,6 +176,22 @@ def mark_lost(study: Any, trial: Any, why: str, already_failed: bool = False) ->
         study.enqueue_trial(trial.params, user_attrs={RETRY_OF: trial.number}, skip_if_exists=False)
 
 
+def fail_bad_input(study: Any, t: Any) -> None:
+    """A trial the sweep's bad input stopped before training: failed, not counted (the command exits 2)."""
+    from optuna.trial import TrialState
+
+    t.set_user_attr(LOST, "bad input: the sweep stopped before training")
+    study.set_user_attr(f"{LOST}.{t.number}", "bad input: the sweep stopped before training")
+    study.tell(t, state=TrialState.FAIL)
+
+
+def lost_run(t: Any, why: str, on_lost_run: Callable[[str, str], None]) -> None:
+    """A lost trial's MLflow run, where it kept its id, handed to `on_lost_run(run_id, why)`."""
+    run_id = t.user_attrs.get(RUN_ID)
+    if run_id:
+        on_lost_run(run_id, why)
+
+
 def reap(study: Any, on_lost: Callable[[Any, str], None]) -> int:
     """Fail the RUNNING trials whose process on this machine is gone; `on_lost(trial, why)` for each."""
     from optuna.trial import TrialState

@@ -23,6 +23,20 @@ from mpsrun.train.loop.engine import Listener
 from mpsrun.sweep.parent import STATE_TAG, TRIAL_TAG  # noqa: F401 - the tags a trial's run carries
 
 
+def trial_tags(study_name: str, t: Any, values: dict[str, Any]) -> dict[str, str]:
+    """The tags a trial's run carries: its number, the study, its values (fused or not)."""
+    return {TRIAL_TAG: str(t.number), "mpsrun.sweep.study": study_name, "mpsrun.sweep": "trial",
+            **{f"mpsrun.sweep.param.{k}": json.dumps(v) for k, v in values.items()}}
+
+
+def check_metric(metric: str, names: list[str]) -> None:
+    """BadInput (exit 2) when the sweep's metric is not among the ones this run logs."""
+    if metric not in names:
+        from mpsrun.recipe.problems import did_you_mean
+
+        raise BadInput(f"sweep.metric: this run never logs '{metric}'{did_you_mean(metric, names)}; it logs {', '.join(names)}")
+
+
 class BadInput(Exception):
     """Bad input found once the data is known (a metric this task never logs, data that cannot load): exit 2."""
 
@@ -119,11 +133,7 @@ def run(
         except Exception as e:  # noqa: BLE001 - out of memory moving the model, a plugin raising: this trial fails
             run_id = record_failed(resolved, tracker, parent_run_id, tags, e, report)
             return Outcome("FAILED", None, run_id, f"{type(e).__name__}: {e}")
-        names = metric_names(setup)
-        if metric not in names:
-            from mpsrun.recipe.problems import did_you_mean
-
-            raise BadInput(f"sweep.metric: this run never logs '{metric}'{did_you_mean(metric, names)}; it logs {', '.join(names)}")
+        check_metric(metric, metric_names(setup))
         setup.callbacks.append(report)
         if phases is not None:
             from mpsrun.devices import canary

@@ -112,18 +112,12 @@ def load_study(job: Job, resolved: Resolved, index: int, on_lost_run: Callable[[
     sweep = resolved.recipe.sweep
     assert sweep is not None
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    st = storage.open_storage(job.storage_url, on_failed=lambda s, t: _lost_run(t, "worker lost (no heartbeat)", on_lost_run))
+    st = storage.open_storage(job.storage_url, on_failed=lambda s, t: storage.lost_run(t, "worker lost (no heartbeat)", on_lost_run))
     return optuna.load_study(
         study_name=job.study, storage=st,
         sampler=space.sampler(sweep, space.worker_seed(resolved.recipe.seed, index, job.started_after)),
         pruner=space.pruner(sweep, resolved.recipe.epochs),
     )
-
-
-def _lost_run(t: Any, why: str, on_lost_run: Callable[[str, str], None]) -> None:
-    run_id = t.user_attrs.get(storage.RUN_ID)
-    if run_id:
-        on_lost_run(run_id, why)
 
 
 def start_tracker(resolved: Resolved, tracking_uri: str | None) -> Any:
@@ -250,7 +244,7 @@ def _loop(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
     while True:
         phases = trace.Phases() if totals is not None else None
         wait0 = getattr(tracker, "wait_s", 0.0)
-        storage.reap(study, lambda t, why: _lost_run(t, f"its worker died ({why})", marker.lost))
+        storage.reap(study, lambda t, why: storage.lost_run(t, f"its worker died ({why})", marker.lost))
         done, running = storage.budget(study, job.target)
         if done + running >= job.target:
             break
@@ -270,8 +264,6 @@ def _one(job: Job, resolved: Resolved, on_end: Callable[[TrialEnd, Any], None] |
          placement: dict[str, Any], tally: Tally, totals: Any, phases: Any, t: Any, values: dict[str, Any] | None, start: float,
          wait0: float = 0.0) -> None:
     """One trial, unfused, in this process: trained through the runner, told, its line shown. `values`: already suggested."""
-    from optuna.trial import TrialState
-
     from mpsrun.recipe.sweep import trial_recipe
     from mpsrun.sweep import trial as trial_mod
 
@@ -282,18 +274,14 @@ def _one(job: Job, resolved: Resolved, on_end: Callable[[TrialEnd, Any], None] |
     try:
         values = space.suggest(t, sweep) if values is None else values
         trial_resolved = trial_recipe(resolved, {**values, **placement})
-        tags = {trial_mod.TRIAL_TAG: str(t.number), "mpsrun.sweep.study": job.study, "mpsrun.sweep": "trial",
-                **{f"mpsrun.sweep.param.{k}": json.dumps(v) for k, v in values.items()}}
-        outcome = trial_mod.run(trial_resolved, t, sweep.metric, sweep.pruner, job.parent_run_id, job.tracking_uri, cache, tags,
-                                tracker=tracker, phases=phases)
+        outcome = trial_mod.run(trial_resolved, t, sweep.metric, sweep.pruner, job.parent_run_id, job.tracking_uri, cache,
+                                trial_mod.trial_tags(job.study, t, values), tracker=tracker, phases=phases)
     except KeyboardInterrupt as e:
         storage.mark_lost(study, t, f"interrupted ({getattr(e, 'name', 'SIGINT')})")
         _lost_run_after(t, marker, f"interrupted ({getattr(e, 'name', 'SIGINT')})")
         raise
     except trial_mod.BadInput:
-        t.set_user_attr(storage.LOST, "bad input: the sweep stopped before training")
-        study.set_user_attr(f"{storage.LOST}.{t.number}", "bad input: the sweep stopped before training")
-        study.tell(t, state=TrialState.FAIL)
+        storage.fail_bad_input(study, t)
         raise
     except Exception as e:  # noqa: BLE001 - a combination the recipe rejects: this trial fails, the sweep goes on
         outcome = trial_mod.Outcome("FAILED", None, None, f"{type(e).__name__}: {e}")

@@ -10,7 +10,6 @@ why, once. Heartbeats, lost trials and the budget are the worker's as for any tr
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -92,7 +91,7 @@ def loop(job: Any, resolved: Resolved, index: int, tracker: Any, study: Any, mar
     said.add(note)
     data: dict[str, Any] = {}
     while True:
-        storage.reap(study, lambda t, why: _lost(t, f"its worker died ({why})", marker))
+        storage.reap(study, lambda t, why: storage.lost_run(t, f"its worker died ({why})", marker.lost))
         done, running = storage.budget(study, job.target)
         left = job.target - done - running
         if left <= 0:
@@ -138,12 +137,6 @@ def loop(job: Any, resolved: Resolved, index: int, tracker: Any, study: Any, mar
             raise
 
 
-def _lost(t: Any, why: str, marker: Any) -> None:
-    run_id = t.user_attrs.get(storage.RUN_ID)
-    if run_id:
-        marker.lost(run_id, why)
-
-
 def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, marker: Any, data: dict[str, Any],
            run_one: Callable, finish: Callable, said: Said, index: int) -> None:
     """One fused group, from its members' build to each one's end.
@@ -157,7 +150,7 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
     from mpsrun.sweep.fused import engine, members, record
 
     lap = trace.Phases() if trace.enabled() else None
-    mems = [members.Member(t, values, r, _tags(job, t, values)) for t, values, r, _ in items]
+    mems = [members.Member(t, values, r, trial_mod.trial_tags(job.study, t, values)) for t, values, r, _ in items]
     starts = {m.number: s for m, (_, _, _, s) in zip(mems, items)}
     beats = [storage.heartbeat_thread(study, m.trial._trial_id) for m in mems]  # noqa: SLF001
     told: set[int] = set()  # members whose trial the study has been told (finish): no longer the signal's to settle
@@ -250,20 +243,15 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
 
 def _check_metric(sweep: Any, b: Any, mems: list[Any], study: Any) -> None:
     """A metric this task never logs is bad input (exit 2), found before training, as a trial's own check finds it."""
-    from optuna.trial import TrialState
-
-    from mpsrun.recipe.problems import did_you_mean
     from mpsrun.sweep import trial as trial_mod
     from mpsrun.train.assemble import metric_names
 
-    names = metric_names(types_objective(b.members[0]))
-    if sweep.metric in names:
-        return
-    for m in mems:
-        m.trial.set_user_attr(storage.LOST, "bad input: the sweep stopped before training")
-        study.set_user_attr(f"{storage.LOST}.{m.number}", "bad input: the sweep stopped before training")
-        study.tell(m.trial, state=TrialState.FAIL)
-    raise trial_mod.BadInput(f"sweep.metric: this run never logs '{sweep.metric}'{did_you_mean(sweep.metric, names)}; it logs {', '.join(names)}")
+    try:
+        trial_mod.check_metric(sweep.metric, metric_names(types_objective(b.members[0])))
+    except trial_mod.BadInput:
+        for m in mems:
+            storage.fail_bad_input(study, m.trial)
+        raise
 
 
 def types_objective(m: Any) -> Any:
@@ -303,10 +291,3 @@ def _end(ended: list[Any], tracker: Any, notes: list[str], finish: Callable, sta
     for m in ended:
         finish(m.trial, trial_mod.Outcome(m.state, m.value, m.run_id, m.message), m.values, starts.get(m.number, time.perf_counter()))
         told.add(m.number)
-
-
-def _tags(job: Any, t: Any, values: dict[str, Any]) -> dict[str, str]:
-    from mpsrun.sweep.parent import TRIAL_TAG
-
-    return {TRIAL_TAG: str(t.number), "mpsrun.sweep.study": job.study, "mpsrun.sweep": "trial",
-            **{f"mpsrun.sweep.param.{k}": json.dumps(v) for k, v in values.items()}}
