@@ -101,8 +101,8 @@ class HostBatches:
         self.cuda = device.type == "cuda"
         self.ahead = DEVICE_SLOTS  # device slots; GraphTrainer raises it to two replays' worth of batches
         self._gen = torch.Generator().manual_seed(seed)
-        self._x_dtype = source.head(1)[0].dtype
-        self._y = source.head(1)[1]
+        x1, y1 = source.head(1)  # one read (a disk stream opens its file for it): the buffers' dtypes
+        self._x_dtype, self._y_dtype = x1.dtype, y1.dtype
         self._pinned: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._dev: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._loader: Any = None
@@ -149,10 +149,10 @@ class HostBatches:
             return
         shape = (self.batch_size, *self.source.sample_shape)
         pin = self.cuda
-        self._pinned = [(torch.empty(shape, dtype=self._x_dtype, pin_memory=pin), torch.empty(self.batch_size, dtype=self._y.dtype, pin_memory=pin))
+        self._pinned = [(torch.empty(shape, dtype=self._x_dtype, pin_memory=pin), torch.empty(self.batch_size, dtype=self._y_dtype, pin_memory=pin))
                         for _ in range(PINNED_SLOTS)]
         if self.cuda:
-            self._dev = [(torch.empty(shape, dtype=self._x_dtype, device=self.device), torch.empty(self.batch_size, dtype=self._y.dtype, device=self.device))
+            self._dev = [(torch.empty(shape, dtype=self._x_dtype, device=self.device), torch.empty(self.batch_size, dtype=self._y_dtype, device=self.device))
                          for _ in range(max(self.ahead, 2))]
 
     def _gather(self, epoch: Any, out: tuple[torch.Tensor, torch.Tensor], a: int, b: int, pool: Optional[ThreadPoolExecutor]) -> None:
