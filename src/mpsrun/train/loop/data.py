@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mpsrun.train.loop.feed import place
-from mpsrun.train.loop.feed.host import HostBatches, MemoryRows
+from mpsrun.train.loop.feed.host import PINNED_SLOTS, HostBatches, MemoryRows
 from mpsrun.train.loop.feed.order import epoch_seed
 
 __all__ = ["BatchPlan", "HostBatches", "LoaderBatches", "ResidentBatches", "epoch_seed", "plan_batches", "raw_tensors"]
@@ -239,7 +239,6 @@ def _stream(ds: Dataset) -> Optional[dict[str, Any]]:
 def _host(ds: Dataset, batch_size: int, device: torch.device, shuffle: bool, seed: int) -> Optional[HostBatches]:
     spec = _stream(ds)
     if spec is not None:
-        from mpsrun.train.loop.feed.host import PINNED_SLOTS
         from mpsrun.train.loop.feed.stream import DiskRows
 
         shape = tuple(spec["sample_shape"])
