@@ -86,6 +86,12 @@ class Outcome:
     message: str = ""
 
 
+def data_key(resolved: Resolved) -> str:
+    """What a trial's dataset depends on: its `dataset:` section, its seed and its recipe's folder."""
+    r = resolved.recipe
+    return json.dumps([r.dataset.model_dump(mode="json"), r.seed, str(resolved.path.resolve().parent)], sort_keys=True, default=str)
+
+
 class DataCache:
     """The dataset built once per (`dataset:` section, seed, recipe folder) and reused by later trials."""
 
@@ -96,7 +102,7 @@ class DataCache:
 
     def get(self, resolved: Resolved) -> Any:
         r = resolved.recipe
-        key = json.dumps([r.dataset.model_dump(mode="json"), r.seed, str(resolved.path.resolve().parent)], sort_keys=True, default=str)
+        key = data_key(resolved)
         if key != self.key:
             self.splits = None  # one dataset held at a time
             runner.seed_everything(r.seed)

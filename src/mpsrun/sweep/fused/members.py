@@ -10,7 +10,6 @@ Unfusable with the reason, and the group's trials run unfused, said.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,15 +61,11 @@ class Built:
     splits: Any  # the first member's (dataset inputs, data sizes)
 
 
-def _data_key(resolved: Resolved) -> str:
-    r = resolved.recipe
-    return json.dumps([r.dataset.model_dump(mode="json"), r.seed, str(resolved.path.resolve().parent)], sort_keys=True, default=str)
-
-
 def build(members: list[Member], cache: dict[str, Any]) -> Built:
     """Every member built and stacked on the group's device; Unfusable where they cannot be."""
     from mpsrun.devices import resolve as devices
     from mpsrun.plugins import registry as plugins
+    from mpsrun.sweep.trial import data_key
     from mpsrun.train import assemble, runner
     from mpsrun.train.loop.data import raw_tensors
     from mpsrun.train.loop.losses import build_loss
@@ -90,7 +85,7 @@ def build(members: list[Member], cache: dict[str, Any]) -> Built:
     for m in members:
         r = m.resolved.recipe
         m.seed = r.seed
-        key = _data_key(m.resolved)
+        key = data_key(m.resolved)
         if key not in cache:
             runner.seed_everything(r.seed)
             cache[key] = runner.build_data(r, m.resolved)
