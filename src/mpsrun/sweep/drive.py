@@ -135,16 +135,7 @@ class Early:
 
     def send(self, job: Job, hold: bool = False) -> None:
         """The job to every worker; `hold`: their stdin left open, so they wait after loading until `go`."""
-        if hold:
-            for proc in self.procs:
-                try:
-                    assert proc.stdin is not None
-                    proc.stdin.write((job.to_json() + "\n").encode())
-                    proc.stdin.flush()
-                except (OSError, ValueError):  # a worker that already ended (its exit code says why)
-                    pass
-        else:
-            self._end_input((job.to_json() + "\n").encode())
+        self._end_input((job.to_json() + "\n").encode(), close=not hold)
         self.sent = True
 
     def go(self) -> None:
@@ -165,14 +156,17 @@ class Early:
                 pass
         self.sent = True
 
-    def _end_input(self, line: bytes = b"") -> None:
-        """Each worker's stdin closed, after `line` where there is one (the job)."""
+    def _end_input(self, line: bytes = b"", close: bool = True) -> None:
+        """Each worker's stdin closed (or, `close` off, flushed), after `line` where there is one (the job)."""
         for proc in self.procs:
             try:
                 assert proc.stdin is not None
                 if line:
                     proc.stdin.write(line)
-                proc.stdin.close()
+                if close:
+                    proc.stdin.close()
+                else:
+                    proc.stdin.flush()
             except (OSError, ValueError):  # a worker that already ended (its exit code says why)
                 pass
 
