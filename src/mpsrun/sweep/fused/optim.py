@@ -101,6 +101,7 @@ class FusedOptimizer:
         self.decay = f([1 - x.lr * x.weight_decay for x in h])  # AdamW: torch's `1 - lr * weight_decay`, a Python float
         self.any_wd = any(x.weight_decay != 0 for x in h)
         self.any_mom = any(x.momentum != 0 for x in h)
+        self.any_nesterov = any(x.nesterov for x in h)
 
     def _v(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return t.view(-1, *([1] * (like.dim() - 1)))
@@ -134,8 +135,10 @@ class FusedOptimizer:
                     buf = st["buf"] = g.detach().clone()
                 else:
                     buf.copy_(self._mad(buf * self._v(self.mom, p), g, self._v(self.damp1, p)))  # buf.mul_(m).add_(g, alpha=1-d)
-                nest = self._mad(g, buf, self._v(self.mom, p))  # grad.add(buf, alpha=momentum)
-                upd = torch.where(self._v(self.has_mom, p), torch.where(self._v(self.nesterov, p), nest, buf), g)
+                step = buf
+                if self.any_nesterov:  # grad.add(buf, alpha=momentum), computed only where a member asks for it (the hot path)
+                    step = torch.where(self._v(self.nesterov, p), self._mad(g, buf, self._v(self.mom, p)), buf)
+                upd = torch.where(self._v(self.has_mom, p), step, g)
             else:
                 upd = g
             p.copy_(self._mad(p, upd, self._v(-self.lr, p)))  # param.add_(grad, alpha=-lr)
