@@ -89,7 +89,9 @@ def loop(job: Any, resolved: Resolved, index: int, tracker: Any, study: Any, mar
     assert sweep is not None
     most, note = size(resolved, placement, cache)
     said.add(note)
-    data: dict[str, Any] = {}
+    data: dict[str, Any] = {}  # the groups' datasets by trial.data_key
+    if getattr(cache, "key", None) is not None:  # the one the worker's cache built (size's estimate, the warm start): not built again
+        data[cache.key] = cache.splits
     while True:
         storage.reap(study, lambda t, why: storage.lost_run(t, f"its worker died ({why})", marker.lost))
         done, running = storage.budget(study, job.target)
