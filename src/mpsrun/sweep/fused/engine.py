@@ -52,10 +52,23 @@ class Group:
         y = self.b.transform(x.reshape(k * n, *x.shape[2:]))
         return y.reshape(k, n, *y.shape[1:])
 
-    def _batch(self, xs: list[torch.Tensor], ys: list[torch.Tensor], which: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per stream its batch, then per member its stream's: [M, B, ...] (a view where all members share one)."""
-        x = self._prepare(torch.stack(xs))
-        y = torch.stack(ys)
+    def _gather(self, pairs: list[tuple[int, int]], idx: torch.Tensor, part: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per stream the rows `idx` [S, n] of its dataset's split (`part` 0: train, 2: validation): [S, n, ...].
+
+        Streams of one dataset (members that differ in seed only) gather in one `index_select`."""
+        srcs = self.b.sources
+        s, n = idx.shape
+        if len({src for src, _ in pairs}) == 1:
+            x, y = srcs[pairs[0][0]][part], srcs[pairs[0][0]][part + 1]
+            flat = idx.reshape(-1)
+            return x.index_select(0, flat).view(s, n, *x.shape[1:]), y.index_select(0, flat).view(s, n, *y.shape[1:])
+        xs = [srcs[src][part].index_select(0, idx[k]) for k, (src, _) in enumerate(pairs)]
+        ys = [srcs[src][part + 1].index_select(0, idx[k]) for k, (src, _) in enumerate(pairs)]
+        return torch.stack(xs), torch.stack(ys)
+
+    def _batch(self, x: torch.Tensor, y: torch.Tensor, which: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per stream its batch [S, B, ...], prepared, then per member its stream's: [M, B, ...] (a view where all share one)."""
+        x = self._prepare(x)
         m = len(self.active)
         if which is None:
             return x.expand(m, *x.shape[1:]), y.expand(m, *y.shape[1:])
@@ -67,7 +80,6 @@ class Group:
         from mpsrun.train.loop.data import epoch_seed
 
         b = self.b
-        bs = b.batch_size
         for epoch in range(b.epochs):
             if not self.active:
                 return
@@ -75,13 +87,9 @@ class Group:
             perms = [torch.randperm(self.ntr, generator=torch.Generator().manual_seed(epoch_seed(seed, epoch))).to(b.device) for _, seed in pairs]
             devices.synchronize(b.device)
             t0 = time.perf_counter()
-            self.loss_sum = torch.zeros(len(self.active), device=b.device)
+            self.loss_sum.zero_()
             b.stacked.train()
-            for i in range(0, self.ntr, bs):
-                xs = [b.sources[s][0].index_select(0, p[i : i + bs]) for (s, _), p in zip(pairs, perms)]
-                ys = [b.sources[s][1].index_select(0, p[i : i + bs]) for (s, _), p in zip(pairs, perms)]
-                x, y = self._batch(xs, ys, which)
-                self._train_step(x, y)
+            self._train_epoch(pairs, which, torch.stack(perms))
             devices.synchronize(b.device)
             t1 = time.perf_counter()
             train_loss = [v / self.ntr for v in self.loss_sum.tolist()]  # the epoch's one read
@@ -106,6 +114,13 @@ class Group:
         for m in self.active:
             m.state = "COMPLETE" if m.state == "RUNNING" else m.state
 
+    def _train_epoch(self, pairs: list[tuple[int, int]], which: torch.Tensor | None, perm: torch.Tensor) -> None:
+        """The epoch's steps, eager: `perm` [S, n] each stream's order (graphed.py replays them instead)."""
+        bs = self.b.batch_size
+        for i in range(0, self.ntr, bs):
+            x, y = self._batch(*self._gather(pairs, perm[:, i : i + bs], 0), which)
+            self._train_step(x, y)
+
     def _train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         b = self.b
         out = b.stacked(x)
@@ -125,31 +140,39 @@ class Group:
         b = self.b
         b.stacked.eval()
         bs, mcount = b.batch_size, len(self.active)
-        vsum = torch.zeros(mcount, device=b.device)
-        correct = torch.zeros(mcount, dtype=torch.long, device=b.device)
-        top5 = torch.zeros(mcount, dtype=torch.long, device=b.device)
+        sums = (torch.zeros(mcount, device=b.device), torch.zeros(mcount, dtype=torch.long, device=b.device),
+                torch.zeros(mcount, dtype=torch.long, device=b.device))  # loss sum, correct, top-5 correct
         if b.ce is None:
             for mem in self.active:
                 mem.metrics.reset()
         for i in range(0, self.nva, bs):
             xs = [b.sources[s][2][i : i + bs] for s, _ in pairs]
             ys = [b.sources[s][3][i : i + bs] for s, _ in pairs]
-            x, y = self._batch(xs, ys, which)
+            x, y = self._batch(torch.stack(xs), torch.stack(ys), which)
             out = b.stacked(x)
-            n = y.shape[1]
             if b.ce is not None:
-                per = F.cross_entropy(out.reshape(mcount * n, -1).float(), y.reshape(mcount * n), reduction="none", **b.ce)
-                vsum.add_(per.view(mcount, n).mean(1), alpha=n)
-                correct.add_((out.argmax(-1) == y).sum(1))
-                if out.shape[-1] > 10:
-                    top5.add_((out.topk(5, dim=-1).indices == y.unsqueeze(-1)).any(-1).sum(1))
+                self._val_sums(out, y, *sums)
             else:
                 for j, mem in enumerate(self.active):
-                    mem.loss.summed(out[j], y[j], vsum[j])
+                    mem.loss.summed(out[j], y[j], sums[0][j])
                     mem.metrics.update(out[j], y[j])
-        losses = [v / self.nva for v in vsum.tolist()]
         if b.ce is None:
+            losses = [v / self.nva for v in sums[0].tolist()]
             return [{"val_loss": losses[j], **mem.metrics.compute(self.nva)} for j, mem in enumerate(self.active)]
+        return self._val_metrics(*sums)
+
+    def _val_sums(self, out: torch.Tensor, y: torch.Tensor, vsum: torch.Tensor, correct: torch.Tensor, top5: torch.Tensor) -> None:
+        """One validation batch of every member into the device-side sums (batched cross-entropy)."""
+        m, n = out.shape[0], y.shape[1]
+        per = F.cross_entropy(out.reshape(m * n, -1).float(), y.reshape(m * n), reduction="none", **self.b.ce)  # type: ignore[arg-type]
+        vsum.add_(per.view(m, n).mean(1), alpha=n)
+        correct.add_((out.argmax(-1) == y).sum(1))
+        if out.shape[-1] > 10:
+            top5.add_((out.topk(5, dim=-1).indices == y.unsqueeze(-1)).any(-1).sum(1))
+
+    def _val_metrics(self, vsum: torch.Tensor, correct: torch.Tensor, top5: torch.Tensor) -> list[dict[str, float]]:
+        """The epoch's one read of the sums: each member's validation metrics."""
+        losses = [v / self.nva for v in vsum.tolist()]
         acc, t5 = correct.tolist(), top5.tolist()
         out_metrics = []
         for j, mem in enumerate(self.active):
@@ -165,6 +188,7 @@ class Group:
         self.active = [self.active[j] for j in keep]
         if not keep:
             return
+        self.loss_sum = torch.zeros(len(keep), device=self.b.device)
         self.b.stacked.keep(keep)
         self.b.opt.keep(keep, self.b.stacked.params)
 

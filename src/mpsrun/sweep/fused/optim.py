@@ -101,6 +101,7 @@ class FusedOptimizer:
         self.decay = f([1 - x.lr * x.weight_decay for x in h])  # AdamW: torch's `1 - lr * weight_decay`, a Python float
         self.any_wd = any(x.weight_decay != 0 for x in h)
         self.any_mom = any(x.momentum != 0 for x in h)
+        self.any_damp = any(x.dampening != 0 for x in h)
         self.any_nesterov = any(x.nesterov for x in h)
 
     def _v(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -134,7 +135,10 @@ class FusedOptimizer:
                 if buf is None:
                     buf = st["buf"] = g.detach().clone()
                 else:
-                    buf.copy_(self._mad(buf * self._v(self.mom, p), g, self._v(self.damp1, p)))  # buf.mul_(m).add_(g, alpha=1-d)
+                    damp1 = self.damp1
+                    if self.any_damp and not self.exact:  # a buffer made before the first step (a CUDA graph's warm-up, then zeroed)
+                        damp1 = torch.where(self.step_t == 1, torch.ones_like(damp1), damp1)  # takes the gradient undamped, as torch's first step
+                    buf.copy_(self._mad(buf * self._v(self.mom, p), g, self._v(damp1, p)))  # buf.mul_(m).add_(g, alpha=1-d)
                 step = buf
                 if self.any_nesterov:  # grad.add(buf, alpha=momentum), computed only where a member asks for it (the hot path)
                     step = torch.where(self._v(self.nesterov, p), self._mad(g, buf, self._v(self.mom, p)), buf)

@@ -149,7 +149,7 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
     """
     from mpsrun.sweep import trace
     from mpsrun.sweep import trial as trial_mod
-    from mpsrun.sweep.fused import engine, members, record
+    from mpsrun.sweep.fused import engine, graphed, members, record
 
     lap = trace.Phases() if trace.enabled() else None
     mems = [members.Member(t, values, r, trial_mod.trial_tags(job.study, t, values)) for t, values, r, _ in items]
@@ -168,12 +168,15 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
             for m in mems:
                 run_one(m.trial, m.values)
             return
-        if b.device.type == "cuda":
-            said.add("fuse: on CUDA the fused step runs eager (not captured in CUDA graphs yet): a skipped optimisation")
+        def fell_back(note: str) -> None:  # a capture that failed mid-run: said, and in every member's notes at its end
+            said.add(note)
+            notes.append(note)
+
+        g, graphs_note = graphed.group_for(b, fell_back)
         gid = f"{index}-{uuid.uuid4().hex[:8]}"
         notes[:] = [f"fused: trained with {len(mems) - 1} other trial{'s' if len(mems) > 2 else ''} as one step (group {gid})"]
-        if b.device.type == "cuda":
-            notes.append("graphs: the fused step runs eager on CUDA (CUDA graphs not captured for fused groups yet)")
+        if graphs_note:
+            notes.append(graphs_note)
         _check_metric(sweep, b, mems, study)
         if lap is not None:
             lap.lap("prepare")
@@ -181,7 +184,6 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
             record.begin(tracker, b, gid, job.parent_run_id, notes)
         if lap is not None:
             lap.lap("open")
-        g = engine.Group(b)
         rows: list[tuple] = []
         ended: list[members.Member] = []
 

@@ -1,0 +1,139 @@
+"""Fused groups replayed as CUDA graphs (sweep/fused/graphed.py) against the eager group and the solo runs.
+
+CUDA only (the GPU gate runs them); on a machine without CUDA they skip, and the CPU test below checks
+that a CPU group stays the eager, bit-exact one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from tests.test_sweep_fused import BASE, PLACE, _Trial, _worst
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: fused groups replay as CUDA graphs there")
+
+
+def _members(tmp_path: Path, optimizer: str, variants: list[dict[str, Any]], device: str, name: str) -> tuple[list, list]:
+    from mpsrun.plugins import resolve
+    from mpsrun.recipe.sweep import trial_recipe
+    from mpsrun.sweep.fused import members
+
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(BASE.format(device=device, optimizer=optimizer))
+    base = resolve(path)
+    recs = [trial_recipe(base, {**v, **PLACE}) for v in variants]
+    return [members.Member(_Trial(i), v, r, {}) for i, (v, r) in enumerate(zip(variants, recs))], recs
+
+
+def _train(tmp_path: Path, optimizer: str, variants: list[dict[str, Any]], graphs: bool, name: str,
+           verdict: Callable[[Any, int], Any] = lambda m, e: None) -> tuple[list, Any, list[str]]:
+    """The variants as one group on CUDA, graphed or eager: (members, the group, what it said)."""
+    from mpsrun.sweep.fused import engine, graphed, members
+
+    mems, _ = _members(tmp_path, optimizer, variants, "cuda", name)
+    said: list[str] = []
+    b = members.build(mems, {})
+    g = graphed.GraphedGroup(b, said.append) if graphs else engine.Group(b)
+    g.run(lambda m, e, metrics: verdict(m, e))
+    return mems, g, said
+
+
+def _close(a: list, b: list, keys: tuple[str, ...] = ("train_loss", "val_loss", "val_accuracy")) -> float:
+    worst = 0.0
+    for ma, mb in zip(a, b):
+        assert len(ma.history) == len(mb.history)
+        for ea, eb in zip(ma.history, mb.history):
+            for k in keys:
+                worst = max(worst, abs(ea[k] - eb[k]) / max(abs(ea[k]), 1e-12))
+    return worst
+
+
+SGD = [{"optimizer.lr": 0.1, "optimizer.momentum": 0.9},
+       {"optimizer.lr": 0.05, "optimizer.momentum": 0.5, "optimizer.dampening": 0.3, "optimizer.weight_decay": 1e-3, "seed": 3},
+       {"optimizer.lr": 0.05, "optimizer.momentum": 0.8, "optimizer.nesterov": True}]
+
+
+@CUDA
+def test_a_graphed_group_trains_as_the_eager_group_on_cuda(tmp_path: Path) -> None:
+    """Same kernels, replayed: SGD (momentum, dampening's undamped first step, nesterov, own seeds) and Adam;
+    digits' 1,437 training rows at batch 32 replay groups of 16 steps, single steps and the short tail."""
+    graphed_, g, said = _train(tmp_path, "sgd", SGD, True, "g")
+    eager, _, _ = _train(tmp_path, "sgd", SGD, False, "e")
+    assert g.eager is None and not said, said
+    assert {k[:2] for k in g.graphs} >= {("train", 16), ("train", 1), ("val", 1)}
+    assert _close(graphed_, eager) <= 1e-5
+    adam = [{"optimizer.lr": 3e-3}, {"optimizer.lr": 1e-2, "optimizer.weight_decay": 1e-3, "seed": 2}]
+    ga, _, _ = _train(tmp_path, "adam", adam, True, "ga")
+    ea, _, _ = _train(tmp_path, "adam", adam, False, "ea")
+    assert _close(ga, ea) <= 1e-5
+
+
+@CUDA
+def test_graphed_members_follow_their_solo_runs_on_cuda(tmp_path: Path) -> None:
+    from mpsrun.train import runner
+    from mpsrun.train.loop.engine import Listener, train
+
+    mems, _, _ = _train(tmp_path, "sgd", SGD[:2], True, "gs")
+    _, recs = _members(tmp_path, "sgd", SGD[:2], "cuda", "solo")
+    pairs = []
+    for m, r in zip(mems, recs):
+        s = runner.prepare(r)
+        res = train(s.model, s.optimizer, s.plan, s.choice.device, r.recipe.epochs, s.options, Listener(), objective=s.objective)
+        pairs += [(em.val_loss, m.history[e]["val_loss"]) for e, em in enumerate(res.epochs)]
+    assert _worst(pairs) <= 1e-3, pairs
+
+
+@CUDA
+def test_a_member_that_leaves_the_graphed_group_leaves_the_others_unchanged_on_cuda(tmp_path: Path) -> None:
+    """Member 0 pruned after epoch 1: the graphs are captured again for the other two, whose numbers are the
+    eager group's with the same departure."""
+    leave = lambda m, e: ("PRUNED", "test") if m.number == 0 and e == 0 else None  # noqa: E731
+    graphed_, g, _ = _train(tmp_path, "sgd", SGD, True, "gl", leave)
+    eager, _, _ = _train(tmp_path, "sgd", SGD, False, "el", leave)
+    assert [len(m.history) for m in graphed_] == [1, 2, 2]
+    assert [m.state for m in graphed_] == ["PRUNED", "COMPLETE", "COMPLETE"]
+    assert len(g.active) == 2 and g.eager is None
+    assert _close(graphed_, eager) <= 1e-5
+
+
+@CUDA
+def test_dropout_members_replay_with_their_own_generators_on_cuda(tmp_path: Path) -> None:
+    variants = [{"optimizer.lr": 0.1, "model.dropout": 0.3}, {"optimizer.lr": 0.1, "model.dropout": 0.3, "seed": 4}, {"optimizer.lr": 0.1}]
+    mems, g, said = _train(tmp_path, "sgd", variants, True, "gd")
+    assert g.eager is None and not said, said
+    losses = [h["train_loss"] for m in mems for h in m.history]
+    assert all(0 < v < 3 for v in losses), losses
+    assert mems[0].history[1]["train_loss"] != mems[1].history[1]["train_loss"]  # own masks, own data order
+
+
+@CUDA
+def test_a_capture_that_fails_falls_back_to_eager_and_says_so_simulated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operation that reads the host inside the step (simulated: a sync added to the step) cannot be captured:
+    the group goes on eager, says why, and its numbers are the eager group's."""
+    from mpsrun.sweep.fused import engine
+
+    real = engine.Group._train_step
+
+    def syncing(self: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+        real(self, x, y)
+        float(self.loss_sum.sum())  # a host read: illegal while capturing
+
+    monkeypatch.setattr(engine.Group, "_train_step", syncing)
+    graphed_, g, said = _train(tmp_path, "sgd", SGD[:2], True, "gf")
+    monkeypatch.setattr(engine.Group, "_train_step", real)
+    eager, _, _ = _train(tmp_path, "sgd", SGD[:2], False, "ef")
+    assert g.eager and len(said) == 1 and "capturing the fused step failed" in said[0] and "runs eager" in said[0], said
+    assert _close(graphed_, eager) <= 1e-6
+
+
+def test_a_cpu_group_stays_eager_and_exact(tmp_path: Path) -> None:
+    from mpsrun.sweep.fused import engine, graphed, members
+
+    mems, _ = _members(tmp_path, "sgd", SGD[:2], "cpu", "cpu")
+    b = members.build(mems, {})
+    g, note = graphed.group_for(b, lambda s: None)
+    assert type(g) is engine.Group and note == "" and b.graphs is False  # type: ignore[attr-defined]
