@@ -169,11 +169,12 @@ def dataloader_run(root: Path, a: argparse.Namespace, device: torch.device, work
 
 
 def engine_run(train_ds, val_ds, transform, train_transform, a: argparse.Namespace, device: torch.device, input_shape,  # type: ignore[no-untyped-def]
-               resident: bool | str = True) -> tuple[float, list[str], str]:
+               resident: bool | str = True, feed: dict | None = None) -> tuple[float, list[str], str]:
     """(b) and (c): mpsrun's engine (the loop `mpsrun run` drives); steady training img/s, the notes, where the data was.
 
     resident: True (copied onto the device), False (left on the host: batches gathered on a thread into pinned
     buffers, copied on a side stream, the same CUDA graphs), "auto" (a split over the host budget streams from disk).
+    feed: attributes set on host batches (gather_threads, read_ahead), e.g. the host path as it was before (OLD_FEED).
     The fused batch-norm and max-pool kernels are on where `mpsrun run` turns them on (CUDA graphs, channels_last).
     """
     from mpsrun.train.loop.data import plan_batches
@@ -187,6 +188,10 @@ def engine_run(train_ds, val_ds, transform, train_transform, a: argparse.Namespa
         torch.backends.cudnn.benchmark = True
     plan = plan_batches(train_ds, val_ds, batch_size=a.batch, device=device, seed=0, transform=transform, train_transform=train_transform,
                         resident=resident, max_bytes=64 * 2**30, free_bytes=None)
+    for b in (plan.train, plan.val):
+        for k, v in (feed or {}).items():
+            if hasattr(b, k):
+                setattr(b, k, v)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     graphs = device.type == "cuda" and plan.graphable
     options = Options(precision="bf16" if a.bf16 else "fp32", channels_last=a.channels_last, graphs=graphs, cudnn_benchmark=device.type == "cuda")
@@ -199,6 +204,11 @@ def engine_run(train_ds, val_ds, transform, train_transform, a: argparse.Namespa
     rates = [e.train_samples_per_s for e in result.epochs]
     where = "resident" if plan.resident else getattr(plan.train, "path_name", "dataloader")
     fused = [k for k in ("fused_norm", "fused_pool") if getattr(options, k)]
+    if hasattr(plan.train, "gather_threads"):
+        where += (f", {plan.train.gather_threads} gather thread(s), read ahead {'on' if plan.train.read_ahead else 'off'}: "
+                  f"{plan.train.batches_ahead} batches gathered before the last epoch began")
+        plan.train.close()
+        plan.val.close()
     return statistics.median(rates[1:] or rates), options.notes, f"{where}, graphs {'on' if options.graphs else 'off'}" + (f", {' + '.join(fused)}" if fused else "")
 
 
@@ -218,6 +228,57 @@ def listing_run(n: int, tmp: Path, say: Callable[[str], None]) -> None:
     cache.key(listing.all_files(), 224, 224, "rgb", listing.stats)
     t2 = time.perf_counter()
     say(f"listing + cache key of {n:,} files: {t2 - t0:.2f} s (listing, one stat per file: {t1 - t0:.2f} s; key: {t2 - t1:.2f} s)")
+
+
+def feed_run(cache_file: Path, shape: tuple, a: argparse.Namespace, device: torch.device, say: Callable[[str], None]) -> None:
+    """The host path's producer alone, no training step: img/s and GB/s of batches gathered in a shuffled order from
+    a fresh memory map of the whole cache (page cache warm: just built or read) into the batch buffers, per number of
+    gather threads; the first epoch maps the pages (populated at once where Linux can), the later ones are the steady figure. On CUDA also the
+    batches copied into the device slots on the side stream (pinned buffers), as the host path feeds the graphs."""
+    from mpsrun.train.loop.feed.host import HostBatches, MemoryRows, gather_threads_default
+
+    n = shape[0]
+    row = int(np.prod(shape[1:]))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    default = gather_threads_default()
+    counts = sorted({t for t in (1, 2, 4, 8, 12, 16, default) if t <= cores} | {default})
+    epochs = max(2, a.feed_epochs)
+
+    def measure(dev: torch.device, threads: int) -> tuple[float, float, int]:
+        x = torch.from_numpy(np.memmap(cache_file, dtype=np.uint8, mode="c", shape=shape))  # a fresh map: no page mapped yet
+        hb = HostBatches(MemoryRows(x, torch.zeros(n, dtype=torch.long)), a.batch, dev, True, 0)
+        hb.gather_threads = threads
+        hb.ahead = 34  # the device slots the graphs ask for (steps.GraphTrainer.capture)
+        rates = []
+        for e in range(epochs):
+            hb.set_epoch(e)
+            _sync(dev)
+            t0 = time.perf_counter()
+            for _ in hb:
+                pass
+            _sync(dev)
+            rates.append(n / (time.perf_counter() - t0))
+        ahead = hb.batches_ahead
+        hb.close()
+        return rates[0], statistics.median(rates[1:]), ahead
+
+    say(f"feed only (the host path's producer, no training step): {n:,} images of {tuple(shape[1:])} uint8 ({n * row / 2**30:.2f} GiB), "
+        f"batch {a.batch}, gathered in a shuffled order from a fresh memory map of the cache (page cache warm) on {cores} cores; "
+        f"default gather threads here: {default}")
+    best = (0.0, default)
+    for t in counts:
+        first, steady, ahead = measure(torch.device("cpu"), t)
+        best = max(best, (steady, t))
+        say(f"  feed, gather only, {t:2d} thread{'s' if t > 1 else ' '}: steady {steady:,.0f} img/s ({steady * row / 1e9:.2f} GB/s), "
+            f"first epoch (a fresh map) {first:,.0f} img/s{'  <- default' if t == default else ''}")
+    if device.type == "cuda":
+        for t in sorted({default, best[1], 4}):
+            first, steady, ahead = measure(device, t)
+            say(f"  feed, gather + copy to the GPU (pinned, side stream), {t:2d} threads: steady {steady:,.0f} img/s ({steady * row / 1e9:.2f} GB/s), "
+                f"first epoch {first:,.0f} img/s; batches gathered ahead of an epoch: {ahead}{'  <- default' if t == default else ''}")
+
+
+OLD_FEED = {"gather_threads": max(1, min(4, (os.cpu_count() or 2) // 4)), "read_ahead": False}  # the host path before the producer ran ahead
 
 
 def main() -> None:
@@ -244,10 +305,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--paths", default="resident,host,host-reused,stream", help="mpsrun's data paths to time: resident (on the device), "
                     "host (the cache left on the host, as over resident_max_gb, just built), host-reused (the same, the cache reopened "
-                    "as a later run does), stream (over a host memory budget of --stream-gb: read from disk in shuffled blocks)")
+                    "as a later run does), host-before (host with the producer as it was: a quarter of the cores, at most 4, gathering, "
+                    "no read-ahead across epochs), stream (over a host memory budget of --stream-gb: read from disk in shuffled blocks), "
+                    "feed (the host path's producer alone, no training: img/s per number of gather threads)")
     ap.add_argument("--stream-gb", type=float, default=None, help="host memory budget of the stream path (default: a quarter of the cache)")
+    ap.add_argument("--feed-epochs", type=int, default=3, help="epochs of each feed-only measurement (the first maps the pages)")
+    ap.add_argument("--skip", default="", help="parts left out, comma-separated: loader (the DataLoader runs), ceiling (resident random "
+                    "tensors), pil (the PIL-only build and PIL decoding alone)")
     ap.add_argument("--listing", type=int, default=0, help="also time listing and the cache key of this many files (e.g. 100000)")
     a = ap.parse_args()
+    skip = set(filter(None, a.skip.split(",")))
     device = torch.device(a.device)
     own_threads = torch.get_num_threads()
     if a.threads:
@@ -286,7 +353,7 @@ def main() -> None:
             f"({tags.get('mpsrun.data.decode', '')}; {tags.get('mpsrun.data.decode_phases', '')})")
         for note in splits.info.get("notes", []):
             say(f"  note: {note}")
-        if device.type == "cuda":  # the CPU decoders alone, for comparison (a second fresh cache)
+        if device.type == "cuda" and "pil" not in skip:  # the CPU decoders alone, for comparison (a second fresh cache)
             os.environ["MPSRUN_CACHE"] = str(Path(tmp) / "cache_cpu")
             os.environ["MPSRUN_IMAGE_DECODE"] = "cpu"
             t0 = time.perf_counter()
@@ -296,7 +363,8 @@ def main() -> None:
             os.environ.pop("MPSRUN_IMAGE_DECODE")
             del alone
         w = a.decode_workers or len(os.sched_getaffinity(0))
-        say(f"PIL decoding alone (nothing stored), {w} processes: {pil_decode_only(root, a.size, w):,.0f} img/s")
+        if "pil" not in skip:
+            say(f"PIL decoding alone (nothing stored), {w} processes: {pil_decode_only(root, a.size, w):,.0f} img/s")
         if a.build_only:
             say(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
             return
@@ -308,34 +376,39 @@ def main() -> None:
                  SimpleNamespace(name="random_horizontal_flip", args=SimpleNamespace(p=0.5))]
         rates: dict[str, float] = {}
         for path in a.paths.split(","):
+            if path == "feed":
+                row = int(np.prod(splits.input_shape))
+                feed_run(Path(splits.info["cache"]) / "images.u8", (cache_bytes // row, *tuple(splits.input_shape)), a, device, say)
+                continue
             if path == "host-reused":  # reopened as a later run does: a fresh map of the cache file
                 splits = image_folder(str(root), size=a.size, workers=a.decode_workers)
             elif path == "stream":
                 budget = a.stream_gb or max(cache_bytes / 4, 64 * 2**20) / 2**30
                 splits = image_folder(str(root), size=a.size, workers=a.decode_workers, host_max_gb=budget)
             aug = augment.build(steps, splits.transform, tuple(splits.input_shape))
-            resident = {"resident": True, "host": False, "host-reused": False, "stream": "auto"}[path]
-            rates[path], notes, where = engine_run(splits.train, splits.val, aug.eval, aug.train, a, device, aug.input_shape, resident)
+            resident = {"resident": True, "host": False, "host-reused": False, "host-before": False, "stream": "auto"}[path]
+            feed = OLD_FEED if path == "host-before" else None
+            rates[path], notes, where = engine_run(splits.train, splits.val, aug.eval, aug.train, a, device, aug.input_shape, resident, feed)
             budget_note = f", host memory budget {budget:.2f} GiB" if path == "stream" else ""
             say(f"mpsrun {path} ({where}{budget_note}; cache {splits.info['tags']['mpsrun.data.cache']}, device augmentation): {rates[path]:,.0f} img/s"
                 + (f"  notes: {'; '.join(notes)}" if notes else ""))
-        mpsrun_rate = rates.get("resident") or max(rates.values())
+        mpsrun_rate = rates.get("resident") or max(rates.values(), default=0.0)
         del splits
 
         # (a) the DataLoader loop, per worker count
         loader = {}
         mine = torch.get_num_threads()
-        for w in a.workers:
+        for w in ([] if "loader" in skip else a.workers):
             for t in loader_threads:
                 torch.set_num_threads(t)
                 loader[w, t] = dataloader_run(root, a, device, w)
                 say(f"ImageFolder + DataLoader(num_workers={w}), {t} torch thread{'s' if t > 1 else ''} in the training process: {loader[w, t]:,.0f} img/s")
         torch.set_num_threads(mine)
-        best_w = max(loader, key=loader.get)  # type: ignore[arg-type]
+        best_w = max(loader, key=loader.get) if loader else None  # type: ignore[arg-type]
 
         # (c) resident random tensors at the crop size: the model's own ceiling
         ceiling = None
-        if device.type == "cuda":
+        if device.type == "cuda" and "ceiling" not in skip:
             from torch.utils.data import TensorDataset
 
             from mpsrun.plugins.contract import ImageTransform
@@ -349,8 +422,11 @@ def main() -> None:
             say(f"same model on resident random uint8 tensors: {ceiling:,.0f} img/s")
 
     for path, r in rates.items():
-        say(f"mpsrun {path} / best DataLoader (num_workers={best_w[0]}, {best_w[1]} torch thread(s)): {r / loader[best_w]:.2f}x"
-            + (f"; / mpsrun resident: {r / rates['resident']:.2f}" if "resident" in rates and path != "resident" else ""))
+        vs = [f"/ best DataLoader (num_workers={best_w[0]}, {best_w[1]} torch thread(s)): {r / loader[best_w]:.2f}x"] if best_w else []
+        if "resident" in rates and path != "resident":
+            vs.append(f"/ mpsrun resident: {r / rates['resident']:.2f}x")
+        if vs:
+            say(f"mpsrun {path} " + "; ".join(vs))
     if ceiling:
         say(f"mpsrun / resident random tensors: {mpsrun_rate / ceiling:.2f} ({100 * (1 - mpsrun_rate / ceiling):.1f}% below)")
     machine = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import queue
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Optional
@@ -42,8 +43,12 @@ class MemoryRows:
         self.n = len(y)
         self.sample_shape = tuple(x.shape[1:])
         self.bytes = x.numel() * x.element_size() + y.numel() * y.element_size()
+        self.mapped = False  # the rows' pages are in this process's page tables (`populate`)
 
     def begin(self, generator: Optional[torch.Generator], shuffle: bool) -> "MemoryEpoch":
+        if not self.mapped:
+            self.mapped = True
+            populate(self.x)
         return MemoryEpoch(self, torch.randperm(self.n, generator=generator) if shuffle else None)
 
     def head(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +70,33 @@ class MemoryEpoch:
 
     def close(self) -> None:
         pass
+
+
+MADV_POPULATE_READ = 22  # Linux 5.14+: map a range's pages now, as reads would fault them in
+
+
+def populate(x: torch.Tensor) -> bool:
+    """Map every page of `x` into this process at once (madvise MADV_POPULATE_READ); True if the kernel did.
+
+    Why: a cache reopened by a later run is a fresh memory map, and its first epoch faulted every page in
+    while gathering: on the 2-core machine 6,000 images of 256 px (1.2 GB, page cache warm) gathered at
+    2.0 GB/s the first time and 7-8 GB/s after; populated first (0.03 s), the first gather ran at 5.4 GB/s.
+    Memory in RAM already mapped is left as it is; where the call is missing (another OS, an older kernel)
+    the pages are faulted in by the gather as before.
+    """
+    if not sys.platform.startswith("linux") or x.device.type != "cpu" or x.numel() == 0 or not x.is_contiguous():
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        page = os.sysconf("SC_PAGE_SIZE")
+        addr = x.data_ptr()
+        start = addr - addr % page
+        return libc.madvise(start, addr - start + x.numel() * x.element_size(), MADV_POPULATE_READ) == 0
+    except (OSError, AttributeError, ValueError):
+        return False
 
 
 def take_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
