@@ -126,11 +126,13 @@ class _Run:
     by the epoch it was drawn for only; None: an order nobody can draw again (no `set_epoch` before the epoch).
     """
 
-    def __init__(self, key: Optional[tuple], epoch: Any, bounds: list[tuple[int, int]]) -> None:
+    def __init__(self, key: Optional[tuple], epoch: Any, bounds: list[tuple[int, int]]) -> None:  # epoch: None until drawn
         self.key, self.epoch, self.bounds = key, epoch, bounds
         self.ready: queue.Queue = queue.Queue()  # (slot, rows) per batch, or the exception that stopped the producer
         self.next = 0  # the first batch not produced yet
         self.closed = False
+        self.gen: Optional[torch.Generator] = None  # the generator its order was drawn from
+        self.lock = threading.Lock()  # the loop's thread and the producer's may both come to draw it
 
 
 class _Slots:
@@ -263,12 +265,17 @@ class HostBatches:
 
     # -------------------------------------------------------------- the producer
 
-    def _begin(self, key: Optional[tuple], gen: Optional[torch.Generator] = None) -> _Run:
-        if gen is None and key is not None and key[0] == "epoch":
-            gen = torch.Generator().manual_seed(epoch_seed(self.seed, key[1]))  # what set_epoch(e) seeds: the same draw
-        run = _Run(key, self.source.begin(gen if gen is not None else self._gen, self.shuffle), self._bounds())
-        self._open.append(run)
-        return run
+    def _begin(self, run: _Run, gen: Optional[torch.Generator] = None) -> None:
+        """Draw the run's order (once): from `gen`, else from the seed its key names (the draw set_epoch(e) seeds)."""
+        with run.lock:
+            if run.epoch is not None:
+                return
+            if gen is None:
+                key = run.key
+                gen = torch.Generator().manual_seed(epoch_seed(self.seed, key[1])) if key is not None and key[0] == "epoch" else self._gen
+            run.gen = gen
+            run.epoch = self.source.begin(gen, self.shuffle)
+            self._open.append(run)
 
     def _bounds(self) -> list[tuple[int, int]]:
         return [(i, min(i + self.batch_size, self.n)) for i in range(0, self.n, self.batch_size)]
@@ -307,9 +314,9 @@ class HostBatches:
             self._open.remove(run)
         return True
 
-    def _work(self, run: _Run, after: Optional[threading.Thread], slots: _Slots, then: Optional[tuple]) -> None:
+    def _work(self, run: _Run, after: Optional[threading.Thread], slots: _Slots, then: Optional[_Run]) -> None:
         """The thread: the rest of `run` (after the thread that gathered its first batches ahead), then the first
-        batches of the epoch `then` names, as many as there are free slots, and ends (nothing waits on a later call)."""
+        batches of the next epoch, `then`, as many as there are slots, and ends (nothing waits on a later call)."""
         current = run
         try:
             if after is not None:
@@ -318,11 +325,13 @@ class HostBatches:
                 torch.cuda.set_device(self.device)
             pool = ThreadPoolExecutor(self.gather_threads, thread_name_prefix="mpsrun-gather") if self.gather_threads > 1 else None
             try:
+                if run.epoch is None:
+                    self._begin(run)
                 if not self._produce(run, len(run.bounds), slots, pool) or then is None or slots.stop.is_set():
                     return
-                current = nxt = self._begin(then)
-                self._next_run = nxt
-                self._produce(nxt, min(len(nxt.bounds), len(self._dev) if self.cuda else len(self._pinned)), slots, pool)
+                current = then
+                self._begin(then)
+                self._produce(then, min(len(then.bounds), len(self._dev) if self.cuda else len(self._pinned)), slots, pool)
             finally:
                 if pool is not None:
                     pool.shutdown(wait=True)
@@ -355,16 +364,21 @@ class HostBatches:
         run, prev = self._next_run, self._worker
         if run is not None and key is not None and run.key == key:
             self.batches_ahead = run.next
+            self._begin(run, self._gen)  # drawn on the thread already, as a rule
+            if run.gen is not self._gen:  # the generator left as this epoch's own draw would have left it
+                assert run.gen is not None
+                self._gen.set_state(run.gen.get_state())
         else:
             self._halt()
-            run, prev = self._begin(key, self._gen if key is None or key[0] != "epoch" else None), None
+            run, prev = _Run(key, None, self._bounds()), None
+            self._begin(run, self._gen)  # here: the generator set_epoch seeded (or as the last epoch left it)
             self.batches_ahead = 0
-        self._next_run = None
         slots = self._slots
         assert slots is not None
-        then = None
+        then = None  # the next epoch, its order drawn and its first batches gathered on the thread once this one's are
         if self.read_ahead and key is not None:
-            then = ("epoch", key[1] + 1) if key[0] == "epoch" else key
+            then = _Run(("epoch", key[1] + 1) if key[0] == "epoch" else key, None, self._bounds())
+        self._next_run = then
         self._worker = threading.Thread(target=self._work, args=(run, prev, slots, then), name="mpsrun-host-batches", daemon=True)
         self._worker.start()
         cuda = self.cuda

@@ -1,0 +1,173 @@
+"""Host batches gathered ahead (issue 44, item 2): the producer runs on into the next epoch's first batches while
+the last steps run, the batches stay the resident path's in order, an epoch that asks for another order drops what was
+gathered ahead, an epoch left early stops the thread, and a memory map's pages are mapped before the first gather.
+
+The CUDA test at the end (the graphs' feed from device slots across epochs) skips without CUDA.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mpsrun.train.loop.data import HostBatches, ResidentBatches
+from mpsrun.train.loop.feed.host import Feed, MemoryRows, populate
+
+CUDA = torch.cuda.is_available()
+
+
+def _data(n: int = 203) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(0, 256, (n, 3, 8, 8), dtype=torch.uint8, generator=g), torch.arange(n)
+
+
+def _epoch(batches) -> list[tuple[torch.Tensor, torch.Tensor]]:  # type: ignore[no-untyped-def]
+    return [(xb.clone(), yb.clone()) for xb, yb in batches]
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b))
+
+
+def _settle(host: HostBatches) -> None:
+    """Wait for the thread to finish gathering ahead (it ends once the slots are full), so the count is exact."""
+    if host._worker is not None:
+        host._worker.join(timeout=10)
+
+
+def _gathering() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("mpsrun-")]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_the_next_epoch_is_gathered_ahead_and_its_batches_are_the_resident_ones(shuffle: bool) -> None:
+    x, y = _data()
+    res = ResidentBatches(x, y, 16, torch.device("cpu"), shuffle, seed=5)
+    host = HostBatches(MemoryRows(x, y), 16, torch.device("cpu"), shuffle, seed=5)
+    host.gather_threads = 2
+    for epoch in range(4):
+        res.set_epoch(epoch)
+        host.set_epoch(epoch)
+        _settle(host)
+        got = _epoch(host)
+        assert _same(_epoch(res), got), f"epoch {epoch}"
+        assert host.batches_ahead == (0 if epoch == 0 else len(host._pinned)), f"epoch {epoch}"
+    host.close()
+    assert _gathering() == []
+
+
+def test_an_epoch_in_another_order_drops_what_was_gathered_ahead() -> None:
+    """A resumed run starts at epoch 5, a caller iterates without set_epoch: the read-ahead (epoch 1's) is not used."""
+    x, y = _data()
+    res = ResidentBatches(x, y, 16, torch.device("cpu"), True, seed=5)
+    host = HostBatches(MemoryRows(x, y), 16, torch.device("cpu"), True, seed=5)
+    host.set_epoch(0)
+    _epoch(host)
+    _settle(host)
+    for epoch in (5, 6):
+        res.set_epoch(epoch)
+        host.set_epoch(epoch)
+        _settle(host)
+        assert _same(_epoch(res), _epoch(host))
+    assert host.batches_ahead > 0  # 6 followed 5: gathered ahead
+    res.set_epoch(7)
+    host.set_epoch(7)
+    want = _epoch(res)
+    assert _same(want, _epoch(host))
+    again = _epoch(host)  # no set_epoch: the generator goes on, as before (no order to draw ahead)
+    assert host.batches_ahead == 0 and len(again) == len(want) and not _same(want, again)
+    host.close()
+
+
+def test_an_epoch_left_early_stops_the_thread_and_the_next_is_whole() -> None:
+    x, y = _data()
+    res = ResidentBatches(x, y, 16, torch.device("cpu"), True, seed=5)
+    host = HostBatches(MemoryRows(x, y), 16, torch.device("cpu"), True, seed=5)
+    host.gather_threads = 2
+    host.set_epoch(0)
+    it = iter(host)
+    next(it)
+    next(it)
+    it.close()  # e.g. a first batch taken to compile
+    assert _gathering() == []  # stopped, nothing gathered ahead
+    res.set_epoch(0)
+    host.set_epoch(0)
+    assert host.batches_ahead == 0 and _same(_epoch(res), _epoch(host))
+    host.close()
+
+
+def test_the_graphs_feed_closing_at_the_last_batch_keeps_the_read_ahead() -> None:
+    """GraphTrainer takes exactly an epoch's batches through Feed.into, then closes the feed: that is a whole epoch."""
+    x, y = _data(192)
+    res = ResidentBatches(x, y, 16, torch.device("cpu"), True, seed=5)
+    host = HostBatches(MemoryRows(x, y), 16, torch.device("cpu"), True, seed=5)
+    for epoch in (0, 1):
+        res.set_epoch(epoch)
+        host.set_epoch(epoch)
+        _settle(host)
+        feed, sx, sy = host.feeder(), torch.zeros(4, 16, 3, 8, 8, dtype=torch.uint8), torch.zeros(4, 16, dtype=torch.long)
+        got = []
+        for _ in range(3):  # 12 batches: 3 replays of 4 steps
+            feed.into(sx, sy)
+            got += [(sx[j].clone(), sy[j].clone()) for j in range(4)]
+        feed.close()
+        assert _same(_epoch(res), got)
+    assert host.batches_ahead == len(host._pinned)
+    host.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_READ is Linux's")
+def test_a_memory_map_is_populated_before_the_first_gather(tmp_path: Path) -> None:
+    """A fresh map of a file in the page cache: the gather faults every 64 KB without populate, hardly at all after."""
+    n, shape = 512, (3, 64, 64)  # 6 MB
+    path = tmp_path / "images.u8"
+    np.random.default_rng(0).integers(0, 256, size=(n, *shape), dtype=np.uint8).tofile(path)
+    out = np.empty((n, *shape), dtype=np.uint8)
+    perm = np.random.default_rng(1).permutation(n)
+    faults = []
+    for pop in (False, True):
+        x = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c", shape=(n, *shape)))
+        if pop and not populate(x):
+            pytest.skip("this kernel has no MADV_POPULATE_READ (Linux 5.14+)")
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        np.take(x.numpy(), perm, axis=0, out=out, mode="clip")
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        assert np.array_equal(out, np.fromfile(path, dtype=np.uint8).reshape(n, *shape)[perm])
+    assert faults[0] >= 6 * 2**20 // 2**16 // 2 and faults[1] < faults[0] // 4, faults
+    # MemoryRows populates once, at its first epoch
+    rows = MemoryRows(torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c", shape=(n, *shape))), torch.arange(n))
+    assert not rows.mapped
+    rows.begin(None, False)
+    assert rows.mapped
+
+
+@pytest.mark.skipif(not CUDA, reason="device slots, pinned buffers and the side stream need a CUDA GPU")
+def test_the_graphs_feed_on_cuda_reads_ahead_across_epochs_cuda() -> None:
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 256, (1000, 3, 16, 16), dtype=torch.uint8, generator=g), torch.arange(1000)
+    dev = torch.device("cuda")
+    res = ResidentBatches(x, y, 50, dev, True, seed=5)
+    host = HostBatches(MemoryRows(x, y), 50, dev, True, seed=5)
+    host.ahead = 6
+    sx, sy = torch.zeros(4, 50, 3, 16, 16, dtype=torch.uint8, device=dev), torch.zeros(4, 50, dtype=torch.long, device=dev)
+    for epoch in range(3):
+        res.set_epoch(epoch)
+        host.set_epoch(epoch)
+        _settle(host)
+        feed: Feed = host.feeder()
+        got = []
+        for _ in range(5):  # 20 batches: 5 replays of 4 steps, on the loop's stream
+            feed.into(sx, sy)
+            sx.add_(0)  # a kernel reading the static input, as a replay does
+            got += [(sx[j].clone(), sy[j].clone()) for j in range(4)]
+        feed.close()
+        assert _same(_epoch(res), got), f"epoch {epoch}"
+        assert host.batches_ahead == (0 if epoch == 0 else 6), f"epoch {epoch}"
+    host.close()
+    assert _gathering() == []
