@@ -10,6 +10,7 @@ from __future__ import annotations
 import resource
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -100,6 +101,36 @@ def test_an_epoch_left_early_stops_the_thread_and_the_next_is_whole() -> None:
     host.set_epoch(0)
     assert host.batches_ahead == 0 and _same(_epoch(res), _epoch(host))
     host.close()
+
+
+def test_an_epoch_begun_while_the_last_is_still_open_neither_hangs_nor_mixes_batches() -> None:
+    """Iterators left open (not run to the end, not closed): the next epoch takes over; the old one may not read on."""
+    x, y = _data()
+    res = ResidentBatches(x, y, 16, torch.device("cpu"), True, seed=5)
+    host = HostBatches(MemoryRows(x, y), 16, torch.device("cpu"), True, seed=5)
+    host.set_epoch(0)
+    whole = iter(host)
+    for _ in range(len(host)):  # every batch taken, the iterator still open (it holds the last slot)
+        next(whole)
+    ahead = len(host._pinned) - 1  # the slots the thread can fill ahead meanwhile
+    for _ in range(1000):
+        if host._next_run is not None and host._next_run.next == ahead:
+            break
+        time.sleep(0.01)
+    for epoch, taken in ((1, 3), (2, None)):  # epoch 1 left open after 3 batches
+        res.set_epoch(epoch)
+        host.set_epoch(epoch)
+        if taken is None:
+            assert _same(_epoch(res), _epoch(host))
+            continue
+        it = iter(host)
+        got = [(xb.clone(), yb.clone()) for _, (xb, yb) in zip(range(taken), it)]
+        assert host.batches_ahead == ahead  # the open epoch 0 had handed out every batch: its read-ahead used
+        assert _same(_epoch(res)[:taken], got)
+    with pytest.raises(RuntimeError, match="read on after the next one began"):
+        next(whole)
+    host.close()
+    assert _gathering() == []
 
 
 def test_the_graphs_feed_closing_at_the_last_batch_keeps_the_read_ahead() -> None:

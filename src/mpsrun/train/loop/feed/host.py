@@ -192,6 +192,9 @@ class HostBatches:
         self._worker: Optional[threading.Thread] = None
         self._next_run: Optional[_Run] = None  # the next epoch, gathered ahead
         self._open: list[_Run] = []  # runs begun and not finished (their source epochs closed on a stop)
+        self._reading: Optional[object] = None  # the epoch being read (its generator's token)
+        self._held: Optional[int] = None  # the slot of the batch the loop holds
+        self._whole = False  # the epoch being read has handed out its last batch
 
     # -------------------------------------------------------------- the engine's interface
 
@@ -230,6 +233,7 @@ class HostBatches:
 
     def close(self) -> None:
         """Stop the thread (and what it gathered ahead); the next epoch starts it again."""
+        self._retire()
         self._halt()
 
     # -------------------------------------------------------------- buffers
@@ -359,6 +363,7 @@ class HostBatches:
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         self._buffers()
+        self._retire()
         key = self._key if self.shuffle else ("in order",)
         self._key = None  # the generator's draw is this epoch's (or was drawn ahead, from the same seed)
         run, prev = self._next_run, self._worker
@@ -381,20 +386,19 @@ class HostBatches:
         self._next_run = then
         self._worker = threading.Thread(target=self._work, args=(run, prev, slots, then), name="mpsrun-host-batches", daemon=True)
         self._worker.start()
+        token = object()  # this epoch's reading: a later epoch's start retires it
+        self._reading, self._held, self._whole = token, None, False
         cuda = self.cuda
-        last: Optional[int] = None
-        handed = 0
         try:
-            for _ in run.bounds:
-                if last is not None:
-                    self._free(slots, last)
-                last = None
+            for i in range(len(run.bounds)):
+                if self._held is not None:
+                    self._free(slots, self._held)
+                    self._held = None
                 item = run.ready.get()
                 if isinstance(item, BaseException):
                     raise item
                 slot, m = item
-                last = slot
-                handed += 1
+                self._held, self._whole = slot, i + 1 == len(run.bounds)
                 if cuda:
                     torch.cuda.current_stream(self.device).wait_event(self._landed[slot])
                     xb, yb = self._dev[slot]
@@ -405,12 +409,24 @@ class HostBatches:
                         yield xb[:m], yb[:m]
                     else:  # MPS: a plain copy
                         yield xb[:m].to(self.device), yb[:m].to(self.device)
+                if self._reading is not token:
+                    raise RuntimeError("host batches: an epoch was read on after the next one began")
         finally:
-            if handed == len(run.bounds):  # every batch handed out (the graphs' feed closes at its last): the thread runs on
-                if last is not None:
-                    self._free(slots, last)
-            else:  # left early, or failed: nothing runs on
-                self._halt()
+            if self._reading is token:
+                self._retire()
+
+    def _retire(self) -> None:
+        """The epoch being read ends: every batch handed out (the graphs' feed closes at its last), its last slot is
+        free and the thread runs on into the next epoch; left early, or failed, nothing runs on."""
+        if self._reading is None:
+            return
+        self._reading = None
+        if self._whole:
+            if self._held is not None and self._slots is not None:
+                self._free(self._slots, self._held)
+        else:
+            self._halt()
+        self._held, self._whole = None, False
 
     def _free(self, slots: _Slots, slot: int) -> None:
         """The loop is done with a batch: on CUDA its reads are enqueued, so the slot is free after them; on the CPU they ran."""
