@@ -174,23 +174,30 @@ def _say(rows: list[tuple[str, float, str]]) -> None:
         print(f"| {w} | {s_:.1f} | {r} |", flush=True)
 
 
-def curve(base: Path, device: str, sizes: list[int], epochs: int, tiny: bool, out: Path | None) -> list[str]:
-    """Trial-epochs per second of fused groups of each size, the engine alone (no MLflow, no Optuna)."""
+def curve(base: Path, device: str, sizes: list[int], epochs: int, tiny: bool, out: Path | None, model: str = "fashion",
+          cnn_train: int = 50000) -> list[str]:
+    """Trial-epochs per second of fused groups of each size, the engine alone (no MLflow, no Optuna), as a sweep
+    trains them (graphed on CUDA); for the largest group, one eager epoch profiled: the kernels' own times."""
     import torch
 
     from mpsrun.plugins import resolve
     from mpsrun.recipe.sweep import trial_recipe
-    from mpsrun.sweep.fused import engine, members
+    from mpsrun.sweep.fused import engine, graphed, members
     from mpsrun.sweep.fused.work import torch_threads
 
     data = base / "data"
-    d = base / "curve"
+    d = base / f"curve-{model}"
     d.mkdir(exist_ok=True)
     path = d / "f.yaml"
-    path.write_text(FASHION.format(device=device, epochs=epochs, root=data, trials=1, fuse="auto"))
+    if model == "cnn":
+        train = 512 if tiny else cnn_train
+        path.write_text(CNN.format(device=device, epochs=epochs, train=train, val=train // 5, trials=1, fuse="auto"))
+    else:
+        path.write_text(FASHION.format(device=device, epochs=epochs, root=data, trials=1, fuse="auto"))
     resolved = resolve(path)
     place = {"tracking.log_model": False, "tracking.figures": False, "tracking.system_metrics": False, "checkpoint.every": 0}
-    lines = ["| members | epochs | seconds (after a warm-up epoch) | trial-epochs/s | vs 1 member |", "| ---: | ---: | ---: | ---: | ---: |"]
+    lines = [f"| {model} members | epochs | seconds (after a warm-up epoch) | trial-epochs/s | vs 1 member | step |",
+             "| ---: | ---: | ---: | ---: | ---: | --- |"]
     first = None
     cache: dict = {}
 
@@ -198,49 +205,70 @@ def curve(base: Path, device: str, sizes: list[int], epochs: int, tiny: bool, ou
         def __init__(self, n: int) -> None:
             self.number = n
 
+    solo = _solo(trial_recipe(resolved, {"optimizer.lr": 0.001, **place}), epochs + 1)
+    lines.append(f"| solo (`mpsrun run`'s engine, its own options) | {epochs} | {solo:.2f} | {epochs / solo:.2f} | - | {_options(resolved)} |")
+    print(lines[-1], flush=True)
     for m in sizes:
-        values = [{"optimizer.lr": 0.001 + 0.0001 * i, "optimizer.weight_decay": 1e-5, "seed": i % 4} for i in range(m)]
+        values = [{"optimizer.lr": 0.001 + 0.0001 * i, "seed": i % 4} for i in range(m)]
         mems = [members.Member(T(i), v, trial_recipe(resolved, {**v, **place}), {}) for i, v in enumerate(values)]
         try:
             b = members.build(mems, cache)
         except Exception as e:  # noqa: BLE001 - out of memory at this size: the row says so
-            lines.append(f"| {m} | - | {type(e).__name__}: {str(e)[:120]} | - | - |")
+            lines.append(f"| {m} | - | {type(e).__name__}: {str(e)[:120]} | - | - | - |")
             continue
         threads = torch_threads(b.device)
+        said: list[str] = []
+        g, note = graphed.group_for(b, said.append)
         b.epochs = 1
-        g = engine.Group(b)
-        g.run(lambda mem, e, metrics: None)  # warm-up epoch
+        g.run(lambda mem, e, metrics: None)  # warm-up epoch (graphs captured)
         b.epochs = epochs
-        g = engine.Group(b)
         if b.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        prof = None
+        g.run(lambda mem, e, metrics: None)
+        if b.device.type == "cuda":
+            torch.cuda.synchronize()
+        secs = time.perf_counter() - t0
+        rate = m * epochs / secs
+        first = first or rate
+        how = "graphs" if getattr(g, "graphs", None) and not getattr(g, "eager", None) else "eager" + (f" ({'; '.join(said)})" if said else "")
+        lines.append(f"| {m} | {epochs} | {secs:.2f} | {rate:.2f} | {rate / first:.1f}x | {how} |")
+        print(lines[-1], flush=True)
         if m == max(sizes) and out is not None:
             from torch.profiler import ProfilerActivity, profile
 
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.device.type == "cuda" else [])
+            b.epochs = 1
+            eager = engine.Group(b)
             with profile(activities=acts) as prof:
-                g.run(lambda mem, e, metrics: None)
-        else:
-            g.run(lambda mem, e, metrics: None)
-        if b.device.type == "cuda":
-            torch.cuda.synchronize()
-        secs = time.perf_counter() - t0
+                eager.run(lambda mem, e, metrics: None)
+            key = "cuda_time_total" if b.device.type == "cuda" else "cpu_time_total"
+            name = f"profile_{model}_{m}_members_eager_epoch.txt"
+            (out / name).write_text(prof.key_averages().table(sort_by=key, row_limit=30))
+            lines.append(f"|  | one eager epoch of the {m}-member group profiled (kernel times): {out / name} | | | | |")
         if threads:
             torch.set_num_threads(threads)
-        rate = m * epochs / secs
-        first = first or rate
-        lines.append(f"| {m} | {epochs} | {secs:.2f} | {rate:.2f} | {rate / first:.1f}x |")
-        print(lines[-1], flush=True)
-        if prof is not None and out is not None:
-            key = "cuda_time_total" if b.device.type == "cuda" else "cpu_time_total"
-            (out / f"profile_{m}_members.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=30))
-            lines.append(f"|  | profile of the {m}-member run: {out / f'profile_{m}_members.txt'} | | | |")
         del g, b, mems
         if device == "cuda":
             torch.cuda.empty_cache()
     return lines
+
+
+def _solo(r: object, epochs: int) -> float:
+    """Seconds of a solo run's epochs after its first (capture, warm-up), as `mpsrun run` trains it."""
+    from mpsrun.train import runner
+    from mpsrun.train.loop.engine import Listener, train
+
+    s = runner.prepare(r)  # type: ignore[arg-type]
+    res = train(s.model, s.optimizer, s.plan, s.choice.device, epochs, s.options, Listener(), objective=s.objective)
+    return sum(e.epoch_time_s for e in res.epochs[1:])
+
+
+def _options(resolved: object) -> str:
+    from mpsrun.train import runner
+
+    s = runner.prepare(resolved)  # type: ignore[arg-type]
+    return ", ".join(f"{k.split('.')[-1]}={v}" for k, v in s.options.as_params().items() if v not in ("false", "fp32"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--curve-epochs", type=int, default=3, help="timed epochs per size of the curve (after a warm-up epoch)")
     ap.add_argument("--cnn-epochs", type=int, default=5, help="cuda (b): epochs of each CNN trial")
     ap.add_argument("--cnn-train", type=int, default=50000, help="cuda (b): training images of the CNN's synthetic data")
+    ap.add_argument("--cnn-sizes", default="", help="cuda: also the curve of fused CNN groups of these sizes (e.g. 1,4,16,64)")
+    ap.add_argument("--no-sweeps", action="store_true", help="cuda: the curves only (not the sweeps (a) and (b))")
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for the profile tables and this output (default $OUT)")
     a = ap.parse_args(argv)
     out = Path(a.out) if a.out else None
@@ -266,9 +296,17 @@ def main(argv: list[str] | None = None) -> int:
         if a.device == "cpu" and not a.gpu_parts:
             rows = cpu(base, 4 if a.tiny else a.trials, 1 if a.tiny else a.repeats)
         else:
-            rows = gpu(base, a.device, a.tiny, a.cnn_epochs, a.cnn_train)
             sizes = [1, 4] if a.tiny else [int(s) for s in a.sizes.split(",")]
+            if not a.no_sweeps:
+                rows = gpu(base, a.device, a.tiny, a.cnn_epochs, a.cnn_train)
+            else:
+                from mpsrun.testing.idx import write_idx_dataset
+
+                write_idx_dataset(base / "data", "FashionMNIST", n_train=2000 if a.tiny else 60000, n_test=500 if a.tiny else 10000, seed=0)
             lines = curve(base, a.device, sizes, 1 if a.tiny else a.curve_epochs, a.tiny, out)
+            if a.cnn_sizes:
+                cnn_sizes = [1, 4] if a.tiny else [int(x) for x in a.cnn_sizes.split(",")]
+                lines += [""] + curve(base, a.device, cnn_sizes, 1 if a.tiny else a.curve_epochs, a.tiny, out, "cnn", a.cnn_train)
     text = [f"\nmachine: {machine(a.device)}", f"command: python benchmarks/fused_sweep_bench.py {' '.join(sys.argv[1:] if argv is None else argv)}", "",
             "| what | wall (s) | vs baseline |", "| --- | ---: | ---: |"]
     text += [f"| {w} | {s:.1f} | {r} |" for w, s, r in rows]
