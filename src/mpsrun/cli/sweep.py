@@ -89,18 +89,19 @@ def run_plan(p, quiet: bool, early=None, handed: Optional[list] = None) -> None:
         study = drive.create_study(p)
     except Exception as e:  # noqa: BLE001 - a database that does not answer, a journal we cannot write
         raise bad_input(f"cannot open the Optuna storage {storage.shown(p.storage_url)}: {type(e).__name__}: {e}") from None
-    opened = parent.open_parent(p.resolved, study, p.storage_url, p.target, p.tracking_uri)
+    via = parent.Via(handed[0]) if handed else None  # the parent's MLflow calls in worker 0's helper: no mlflow import here
+    opened = parent.open_parent(p.resolved, study, p.storage_url, p.target, p.tracking_uri, via)
     parent_id = opened.run_id
     began: list[bool] = []
     try:
-        _run_opened(p, quiet, early, handed, study, opened, began)
+        _run_opened(p, quiet, early, handed, study, opened, began, via)
     except KeyboardInterrupt:  # a signal before the workers began (drive.run handles those after): the parent is not left RUNNING
         if opened.generation is not None and not began:
-            parent.close(p.tracking_uri, parent_id, "KILLED", opened.generation)
+            parent.close(p.tracking_uri, parent_id, "KILLED", opened.generation, via)
         raise
 
 
-def _run_opened(p, quiet: bool, early, handed, study, opened, began: list) -> None:  # type: ignore[no-untyped-def,type-arg]
+def _run_opened(p, quiet: bool, early, handed, study, opened, began: list, via=None) -> None:  # type: ignore[no-untyped-def,type-arg]
     import time
 
     from mpsrun.sweep import drive, parent, results, storage
@@ -121,12 +122,12 @@ def _run_opened(p, quiet: bool, early, handed, study, opened, began: list) -> No
         console.print(f"[yellow]note:[/] {opened.message}", highlight=False, soft_wrap=True)
     for note in p.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
-    parent.notes(p.tracking_uri, parent_id, p.notes)
+    parent.notes(p.tracking_uri, parent_id, p.notes, via)
     start = time.monotonic()
 
     def on_end(end, study) -> None:  # type: ignore[no-untyped-def]
         s = results.summarise(p.resolved, study)
-        parent.progress(p.tracking_uri, parent_id, s.done, p.target)
+        parent.progress(p.tracking_uri, parent_id, s.done, p.target, via)
         if quiet:
             return
         o = end.outcome

@@ -196,7 +196,21 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
 
     `generation`: this command's owner claim on the parent (parent.open_parent); None for a guest, which
     publishes the results and closes the parent only if it can claim it when its workers are done.
+    `tracker`: worker 0's MLflow helper, started earlier; the parent's results and status are written through
+    it too (parent.Via: this process never opens the store), and it is closed here once they are.
     """
+    from mpsrun.sweep import parent
+
+    via = parent.Via(tracker) if tracker is not None else None
+    try:
+        return _run(p, study, parent_run_id, on_end, generation, early, tracker, via)
+    finally:
+        if tracker is not None:
+            tracker.close()  # every record written (the parent's status was waited for); the helper ends
+
+
+def _run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any], None] | None, generation: int | None,
+         early: Early | None, tracker: Any, via: Any) -> Outcome:
     from mpsrun.exitcodes import EXIT_FAIL, EXIT_INPUT, EXIT_OK
     from mpsrun.sweep import parent, results, trace
     from mpsrun.sweep import trial as trial_mod
@@ -236,7 +250,8 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
                 early.go()
 
             try:
-                tally = worker.work(job, p.resolved, 0, ended, ready=all_ready if together else None, tracker=tracker)
+                tally = worker.work(job, p.resolved, 0, ended, ready=all_ready if together else None, tracker=tracker,
+                                    keep_tracker=tracker is not None)
                 fused_said = tally.said.all() if tally.said is not None else []
             except trial_mod.BadInput as e:
                 code, message = EXIT_INPUT, str(e)
@@ -249,7 +264,7 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
             if generation is not None and code == EXIT_OK and _study_done_first(procs, study, p.target):
                 # every trial has ended in the study while the others still close their runs and exit: the parent's
                 # results are written meanwhile (their exit took 1-2 s on the H100, after the last trial's end)
-                early_results = results.publish(p.resolved, study, parent_run_id, p.tracking_uri, p.target)
+                early_results = results.publish(p.resolved, study, parent_run_id, p.tracking_uri, p.target, via)
                 trace.mark("published")
             codes = _wait(procs)
             trace.mark("workers_ended")
@@ -267,18 +282,18 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
         code, message = EXIT_INPUT, "a worker stopped on bad input (its message is above)"
     notes: list[str] = list(fused_said)
     if fused_said:
-        parent.notes(p.tracking_uri, parent_run_id, p.notes + fused_said)
+        parent.notes(p.tracking_uri, parent_run_id, p.notes + fused_said, via)
     if generation is None:  # a guest: the last command out publishes (the owner has let go, or is gone)
-        got = parent.claim(p.tracking_uri, parent_run_id)
+        got = parent.claim(p.tracking_uri, parent_run_id, via)
         if got["ok"]:
-            parent.take(p.tracking_uri, parent_run_id, got)
+            parent.take(p.tracking_uri, parent_run_id, got, c=via)
             generation = int(got["generation"])
             notes.append(got["took_over"] or "the parent run's owner has ended: this command published the results and closed it")
         else:
             notes.append(f"the results are the owner's to publish when it ends: {got['message']}")
     if generation is not None:
         if early_results is None:
-            early_results = results.publish(p.resolved, study, parent_run_id, p.tracking_uri, p.target)
+            early_results = results.publish(p.resolved, study, parent_run_id, p.tracking_uri, p.target, via)
             trace.mark("published")
         summary, more = early_results
         notes += more
@@ -294,7 +309,7 @@ def run(p: Plan, study: Any, parent_run_id: str, on_end: Callable[[TrialEnd, Any
     elif code == EXIT_INPUT:
         status = "FAILED"
     if generation is not None:
-        parent.close(p.tracking_uri, parent_run_id, status, generation)
+        parent.close(p.tracking_uri, parent_run_id, status, generation, via)
         trace.mark("parent_closed")
     return Outcome(code, parent_run_id, summary, notes, message)
 

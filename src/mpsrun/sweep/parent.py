@@ -32,6 +32,55 @@ PROGRESS = "mpsrun.sweep.progress"  # "done/target", refreshed after each trial
 COUNTED, WHY = "mpsrun.sweep.counted", "mpsrun.sweep.why"  # on a lost trial's run: "false", and why it was lost
 
 
+class Via:
+    """MLflow's client for the parent, its calls made in worker 0's MLflow helper process (track/apart.client_calls).
+
+    Why: the command that runs a sweep then never imports mlflow and opens no store itself (3-4 s on 2
+    cores, serial before the first trial could start, while the helper had imported both on its own
+    core). A call waits for its answer, after every call sent before it; `post` sends without waiting.
+    An MLflow error comes back as MlflowException (an owner's claim race reads it); the helper being
+    gone is the tracker's to handle (it opens the store in this process and goes on there).
+    """
+
+    def __init__(self, tracker: Any) -> None:
+        self.tracker = tracker
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return self.tracker.hook("client_calls", [(name, args, kwargs)])[0]
+            except Exception as e:
+                if getattr(e, "type_name", "") in ("MlflowException", "RestException"):
+                    from mlflow.exceptions import MlflowException
+
+                    raise MlflowException(str(e)) from None
+                raise
+        return call
+
+    def post(self, name: str, *args: Any) -> None:
+        """A call whose answer nobody waits for; its failure is skipped in the helper, never raised later."""
+        self.tracker.hook_later("client_calls", [(name, args, {})], True)
+
+
+def client_for(tracking_uri: str | None, c: Any = None) -> Any:
+    """`c` (a Via, or a client) where given, else a client of this process (mlflow imported here)."""
+    if c is not None:
+        return c
+    uri, _ = store.resolve_uri(tracking_uri)
+    return store.client(uri)
+
+
+def _set_tag(c: Any, run_id: str, key: str, value: str) -> None:
+    """A tag posted without waiting through a Via, else written at once."""
+    if isinstance(c, Via):
+        c.post("set_tag", run_id, key, value)
+    else:
+        c.set_tag(run_id, key, value)
+
+
 class RunMarker:
     """Tags on finished child runs (state, counted) and the end of runs whose worker died, through one client."""
 
@@ -147,10 +196,10 @@ class Opened:
     message: str = ""  # who owns it (a guest), or the takeover of a gone owner
 
 
-def claim(tracking_uri: str | None, run_id: str) -> dict[str, Any]:
-    """Claim the parent for this process (owner.try_claim): {"ok", "generation", "took_over"} or {"ok": False, "message"}."""
-    uri, _ = store.resolve_uri(tracking_uri)
-    c = store.client(uri)
+def claim(tracking_uri: str | None, run_id: str, c: Any = None) -> dict[str, Any]:
+    """Claim the parent for this process (owner.try_claim): {"ok", "generation", "took_over"} or {"ok": False, "message"}.
+    `c`: the client to use (a Via: through worker 0's helper); else one of this process."""
+    c = client_for(tracking_uri, c)
     got = owner.try_claim(c, run_id, None, owner.me())
     if not got["ok"]:  # said to a guest, which goes on: who holds the parent, not "stop that one first"
         top = owner.latest(c.get_run(run_id).data.params)
@@ -159,10 +208,9 @@ def claim(tracking_uri: str | None, run_id: str) -> dict[str, Any]:
     return got
 
 
-def take(tracking_uri: str | None, run_id: str, got: dict[str, Any], target: int | None = None) -> None:
+def take(tracking_uri: str | None, run_id: str, got: dict[str, Any], target: int | None = None, c: Any = None) -> None:
     """This process owns the parent now: RUNNING, its liveness and owner tags."""
-    uri, _ = store.resolve_uri(tracking_uri)
-    c = store.client(uri)
+    c = client_for(tracking_uri, c)
     c.update_run(run_id, status="RUNNING")
     tags = {**liveness.identity(), **owner.tags_for(int(got["generation"]), got["owner"], got["took_over"])}
     if target is not None:
@@ -171,10 +219,11 @@ def take(tracking_uri: str | None, run_id: str, got: dict[str, Any], target: int
         c.set_tag(run_id, k, v)
 
 
-def open_parent(resolved: Resolved, study: Any, storage_url: str, target: int, tracking_uri: str | None) -> Opened:
-    """The study's parent run (the one the study names when the store still has it, else a new one), claimed when free."""
+def open_parent(resolved: Resolved, study: Any, storage_url: str, target: int, tracking_uri: str | None, c: Any = None) -> Opened:
+    """The study's parent run (the one the study names when the store still has it, else a new one), claimed when free.
+    `c`: the client to use (a Via: through worker 0's helper, this process never imports mlflow); else one of this process."""
     uri, artifact_root = store.resolve_uri(tracking_uri)
-    c = store.client(uri)
+    c = client_for(tracking_uri, c)
     known = study.user_attrs.get(storage.PARENT)
     ident = liveness.identity()
     if known:
@@ -183,10 +232,10 @@ def open_parent(resolved: Resolved, study: Any, storage_url: str, target: int, t
         except Exception:  # noqa: BLE001 - another store, or deleted: start a new parent
             run = None
         if run is not None:
-            got = claim(tracking_uri, known)
+            got = claim(tracking_uri, known, c)
             if not got["ok"]:  # a live owner: this command adds workers and leaves the parent to it
                 return Opened(known, False, None, got["message"])
-            take(tracking_uri, known, got, target)
+            take(tracking_uri, known, got, target, c)
             return Opened(known, False, int(got["generation"]), got["took_over"] or "")
     experiment = resolved.recipe.tracking.experiment or resolved.path.stem
     exp_id = store.ensure_experiment(c, experiment, artifact_root)
@@ -212,27 +261,26 @@ def open_parent(resolved: Resolved, study: Any, storage_url: str, target: int, t
     return Opened(run_id, True, 0)
 
 
-def notes(tracking_uri: str | None, run_id: str, said: list[str]) -> None:
+def notes(tracking_uri: str | None, run_id: str, said: list[str], c: Any = None) -> None:
     """What the sweep said before its workers started (`mpsrun.notes`, as a run's), kept on the parent."""
     if not said:
         return
     try:
-        RunMarker(tracking_uri).c.set_tag(run_id, "mpsrun.notes", "; ".join(said)[:5000])
+        _set_tag(client_for(tracking_uri, c), run_id, "mpsrun.notes", "; ".join(said)[:5000])
     except Exception:  # noqa: BLE001 - said on screen already
         pass
 
 
-def progress(tracking_uri: str | None, run_id: str, done: int, target: int) -> None:
+def progress(tracking_uri: str | None, run_id: str, done: int, target: int, c: Any = None) -> None:
     try:
-        RunMarker(tracking_uri).c.set_tag(run_id, PROGRESS, f"{done}/{target}")
+        _set_tag(client_for(tracking_uri, c), run_id, PROGRESS, f"{done}/{target}")
     except Exception:  # noqa: BLE001
         pass
 
 
-def close(tracking_uri: str | None, run_id: str, status: str, generation: int | None = None) -> None:
-    """The owner lets go (the tag first: the next owner waits for both), then the parent's status."""
-    uri, _ = store.resolve_uri(tracking_uri)
-    c = store.client(uri)
+def close(tracking_uri: str | None, run_id: str, status: str, generation: int | None = None, c: Any = None) -> None:
+    """The owner lets go (the tag first: the next owner waits for both), then the parent's status (waited for)."""
+    c = client_for(tracking_uri, c)
     if generation is not None:
         c.set_tag(run_id, owner.RELEASED, str(generation))
     c.set_terminated(run_id, status)

@@ -140,7 +140,8 @@ def start_tracker(resolved: Resolved, tracking_uri: str | None) -> Any:
 
 
 def work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, Any], None] | None = None,
-         ready: Callable[[], None] | None = None, late: Callable[[], Job | None] | None = None, tracker: Any = None) -> Tally:
+         ready: Callable[[], None] | None = None, late: Callable[[], Job | None] | None = None, tracker: Any = None,
+         keep_tracker: bool = False) -> Tally:
     """Trials until the study holds `job.target` counted trials (or none is left to ask for).
 
     `ready` is called once torch, the study and the first dataset are loaded, before the first trial.
@@ -149,13 +150,17 @@ def work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, A
     Each worker starts asking as soon as it is ready, not once all are: on one GPU the workers gain
     only by overlapping one's CPU work with another's epochs, and waiting for the slowest start
     (torch, mlflow and the data in each) left the GPU idle meanwhile. `on_end` is called after each trial.
-    `tracker`: a helper started earlier (start_tracker); this worker closes it when it ends.
+    `tracker`: a helper started earlier (start_tracker); this worker closes it when it ends, unless `keep_tracker`
+    (the launching command writes the parent's results through it afterwards: parent.Via).
     """
     from mpsrun.train import warm as warming  # no torch at import
 
     # torch's optimizers import torch._dynamo when built: every worker's first trial paid it (2.5 s on the
-    # 2-core machine, seconds more on the H100 one); on a thread it overlaps the study's and the data's load
-    warm = warming.dynamo()
+    # 2-core machine, seconds more on the H100 one); on a thread it overlaps the study's and the data's load.
+    # Not where trials fuse: a fused group builds no torch.optim optimizer (sweep/fused/optim.py), and the import
+    # would only hold the interpreter while the group trains (a trial that runs unfused imports it when built)
+    fusing = resolved.recipe.sweep is not None and resolved.recipe.sweep.fuse != "off"
+    warm = None if fusing else warming.dynamo()
     if tracker is None:
         tracker = start_tracker(resolved, job.tracking_uri)
     import torch
@@ -165,7 +170,8 @@ def work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, A
         return _work(job, resolved, index, on_end, ready, tracker, warm, late)
     finally:
         torch.set_num_threads(threads)  # a worker in a longer-lived process (tests, notebooks) gives them back
-        tracker.close()
+        if not keep_tracker:
+            tracker.close()
 
 
 def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, Any], None] | None, ready: Callable[[], None] | None, tracker: Any,
@@ -178,7 +184,7 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
     canary.REUSE_OPS = True  # the fixed operations checked once per device in this worker; each trial's model still is
     share_cores(job.workers)
     placement = {**trial_defaults(resolved), **device_for(resolved, index, job.workers)}
-    marker = parent.RunMarker(job.tracking_uri, tracker)
+    marker = parent.RunMarker(job.tracking_uri, tracker, parent.Via(tracker) if hasattr(tracker, "hook_later") else None)
     cache = trial_mod.DataCache()
     try:
         cache.get(trial_recipe(resolved, placement))  # the data every trial of this recipe's dataset section uses
@@ -204,13 +210,17 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
         from mpsrun.sweep.fused.work import Said
 
         tally.said = Said()
+    ended = False
     try:
         _loop(job, resolved, index, on_end, tracker, study, marker, cache, placement, tally, totals)
+        ended = True
     finally:
         canary.REUSE_OPS = False
         if totals is not None:
             totals.emit(ready_s)
-        if tally.said is not None and tally.said.all():  # on the parent, once: what fusing did and did not do
+        # On the parent, once: what an extra worker's fusing did and did not do (worker 0's, when it ends, the launching
+        # command shows and writes in the parent's notes: drive.run), or worker 0's when it was stopped
+        if (index > 0 or not ended) and tally.said is not None and tally.said.all():
             from mpsrun.train.record import hook_later
 
             try:

@@ -1,4 +1,5 @@
-"""Record hooks for runs other than the one a tracker writes: a fused sweep group's members, each its own child run.
+"""Record hooks for runs other than the one a tracker writes: a fused sweep group's members, each its own child run (and
+the sweep's parent, through `client_calls`).
 
 A fused group trains several trials in one process at once; the worker's MLflow helper
 writes one run at a time (`store.Tracker`), so these hooks take explicit run ids and
@@ -86,3 +87,41 @@ def runs_end(t: Any, ends: list[tuple[str, str, dict[str, str], str | None, str 
             t.c.set_terminated(rid, status)
         except Exception:  # noqa: BLE001 - the next run's end still goes in
             continue
+
+
+def client_calls(t: Any, calls: list[tuple[str, tuple, dict]], quiet: bool = False) -> list[Any]:
+    """MLflow client calls ((method, args, kwargs), in order) for a run the tracker does not write: a sweep's parent.
+
+    Why in the helper: the command that runs a sweep then never imports mlflow itself (seconds on
+    2 cores, before its first trial could start). Returns each call's answer; `quiet` (a call posted
+    without waiting): a failure skips that call and the next still goes in, never raised on a later call.
+    """
+    out: list[Any] = []
+    for method, args, kwargs in calls:
+        try:
+            out.append(_plain(getattr(t.c, method)(*args, **kwargs)))
+        except Exception:  # noqa: BLE001 - raised to the caller that waits; a posted call's failure is not worth a trial
+            if not quiet:
+                raise
+            out.append(None)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """MLflow's runs and experiments as plain namespaces with the same attributes (`.info.run_id`, `.data.tags`, ...):
+    unpickling MLflow's own entities would import mlflow (and pandas, protobuf) in the caller, seconds on 2 cores."""
+    from types import SimpleNamespace as NS
+
+    from mlflow.entities import Experiment, Run
+
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, Run):
+        i, d = value.info, value.data
+        info = NS(**{k: getattr(i, k, None) for k in ("run_id", "run_name", "experiment_id", "status", "start_time", "end_time",
+                                                       "artifact_uri", "lifecycle_stage", "user_id")})
+        return NS(info=info, data=NS(tags=dict(d.tags), params=dict(d.params), metrics=dict(d.metrics)))
+    if isinstance(value, Experiment):
+        return NS(**{k: getattr(value, k, None) for k in ("experiment_id", "name", "artifact_location", "lifecycle_stage")},
+                  tags=dict(value.tags or {}))
+    return value
