@@ -202,11 +202,13 @@ def engine_run(train_ds, val_ds, transform, train_transform, a: argparse.Namespa
         options.fused_pool = bool(fused_pool.candidates(model))
     result = train(model, opt, plan, device, a.epochs, options, Listener())
     rates = [e.train_samples_per_s for e in result.epochs]
+    last_s = result.epochs[-1].train_time_s if result.epochs else 0.0
     where = "resident" if plan.resident else getattr(plan.train, "path_name", "dataloader")
     fused = [k for k in ("fused_norm", "fused_pool") if getattr(options, k)]
     if hasattr(plan.train, "gather_threads"):
         where += (f", {plan.train.gather_threads} gather thread(s), read ahead {'on' if plan.train.read_ahead else 'off'}: "
-                  f"{plan.train.batches_ahead} batches gathered before the last epoch began")
+                  f"{plan.train.batches_ahead} batches gathered before the last epoch began, the loop waited "
+                  f"{plan.train.waited_s:.2f} s for batches of its {last_s:.2f} s")
         plan.train.close()
         plan.val.close()
     return statistics.median(rates[1:] or rates), options.notes, f"{where}, graphs {'on' if options.graphs else 'off'}" + (f", {' + '.join(fused)}" if fused else "")

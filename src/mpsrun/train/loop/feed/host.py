@@ -20,6 +20,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Optional
 
@@ -187,6 +188,7 @@ class HostBatches:
         # a disk stream reads each byte once an epoch, counted per epoch: its next epoch is not begun early
         self.read_ahead = isinstance(source, MemoryRows)
         self.batches_ahead = 0  # batches an epoch found gathered before it began (said by the benchmark, checked by a test)
+        self.waited_s = 0.0  # seconds the loop waited for the thread in the last epoch (the benchmark says it)
         self._key: Optional[tuple] = None  # the order the next epoch draws (set_epoch)
         self._slots: Optional[_Slots] = None
         self._worker: Optional[threading.Thread] = None
@@ -388,13 +390,16 @@ class HostBatches:
         self._worker.start()
         token = object()  # this epoch's reading: a later epoch's start retires it
         self._reading, self._held, self._whole = token, None, False
+        self.waited_s = 0.0
         cuda = self.cuda
         try:
             for i in range(len(run.bounds)):
                 if self._held is not None:
                     self._free(slots, self._held)
                     self._held = None
+                t0 = time.perf_counter()
                 item = run.ready.get()
+                self.waited_s += time.perf_counter() - t0
                 if isinstance(item, BaseException):
                     raise item
                 slot, m = item
