@@ -20,6 +20,17 @@ starting, graph capture), with the device synchronised around each epoch. Valida
 
     python benchmarks/images_bench.py --device cpu --size 256 --n 3000 --build-only   # the decode figure alone
 
+The host path (issue 44: data over the device's room, gathered on a thread) against resident, the producer alone
+(`feed`: img/s per number of gather threads, without and with the copies to the GPU), the host path as it was
+(`host-before`), and listing + cache key of 100,000 files, on the GPU machine in one call of under 240 s:
+
+    export PYTHONPATH=$PWD/src; (timeout 50 python -m pytest -q -p no:cacheprovider tests/test_feed_ahead.py \
+        tests/test_images_scale.py -k "cuda and not auto_places" > $OUT/tests.log 2>&1; echo "tests rc $?" >> $OUT/tests.log); \
+    timeout 185 python benchmarks/images_bench.py --device cuda --model resnet18 --bf16 --channels-last --batch 256 \
+        --size 256 --crop 224 --n 20000 --epochs 4 --paths resident,host,host-reused,feed,host-before \
+        --skip loader,pil,ceiling --feed-epochs 2 --listing 100000 > $OUT/images_bench.log 2>&1; \
+    echo "bench rc $?" >> $OUT/images_bench.log; tail -4 $OUT/tests.log; grep -v '^decoding' $OUT/images_bench.log | tail -40
+
 The cache build's line gives the whole build's img/s (what the user waits for) and its phases (scan,
 key, workers_start, gpu_init, decode, pil_retry, stats); PIL decoding alone in as many processes,
 nothing stored, follows it. Appends the result (machine, command, figures) to docs/benchmarks.md with --record.
