@@ -1,6 +1,7 @@
 """Host batches gathered ahead (issue 44, item 2): the producer runs on into the next epoch's first batches while
 the last steps run, the batches stay the resident path's in order, an epoch that asks for another order drops what was
 gathered ahead, an epoch left early stops the thread, and a memory map's pages are mapped before the first gather.
+A disk stream over a truncated cache file says so when it is opened.
 
 The CUDA test at the end (the graphs' feed from device slots across epochs) skips without CUDA.
 """
@@ -18,7 +19,8 @@ import pytest
 import torch
 
 from mpsrun.train.loop.data import HostBatches, ResidentBatches
-from mpsrun.train.loop.feed.host import Feed, MemoryRows, populate
+from mpsrun.train.loop.feed.host import Feed, MemoryRows, buffer_bytes, populate
+from mpsrun.train.loop.feed.stream import DiskRows
 
 CUDA = torch.cuda.is_available()
 
@@ -176,6 +178,20 @@ def test_a_memory_map_is_populated_before_the_first_gather(tmp_path: Path) -> No
     assert not rows.mapped
     rows.begin(None, False)
     assert rows.mapped
+
+
+def test_a_truncated_cache_is_said_when_the_stream_opens_it(tmp_path: Path) -> None:
+    n, shape = 100, (3, 16, 16)
+    path = tmp_path / "images.u8"
+    np.zeros((n, *shape), dtype=np.uint8).tofile(path)
+    rows, labels = np.arange(0, n, 2), torch.arange(n // 2)
+    DiskRows(str(path), n, shape, rows, labels, 2**20, buffer_bytes(8, shape))  # whole: opens
+    with open(path, "r+b") as f:
+        f.truncate(n * 768 - 1)
+    with pytest.raises(OSError, match="truncated"):
+        DiskRows(str(path), n, shape, rows, labels, 2**20, buffer_bytes(8, shape))
+    with pytest.raises(ValueError, match="run past"):
+        DiskRows(str(path), n - 1, shape, rows + 1, labels, 2**20, buffer_bytes(8, shape))
 
 
 @pytest.mark.skipif(not CUDA, reason="device slots, pinned buffers and the side stream need a CUDA GPU")

@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mpsrun.train.loop.feed import place
-from mpsrun.train.loop.feed.host import PINNED_SLOTS, HostBatches, MemoryRows
+from mpsrun.train.loop.feed.host import HostBatches, MemoryRows, buffer_bytes
 from mpsrun.train.loop.feed.order import epoch_seed
 
 __all__ = ["BatchPlan", "HostBatches", "LoaderBatches", "ResidentBatches", "epoch_seed", "plan_batches", "raw_tensors"]
@@ -208,27 +208,36 @@ class BatchPlan:
         """
         p = self.pending
         assert p is not None
-        self.pending = None
         device = self.train.device
         x, y = p.train[0][: p.batch_size].to(device), p.train[1][: p.batch_size].to(device)
         try:
             peak = measure(x, y)
         except Exception as e:  # the step itself fails: the data stays on the host; the capture or the epoch says why
-            self.reason = (f"resident_max_gb auto: the measured step failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
-                           f"{place.gib(p.total)} of raw tensors stay on the host")
+            self.place_pending(False, f"resident_max_gb auto: the measured step failed ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:200] if str(e) else ''}); {place.gib(p.total)} of raw tensors stay on the host")
             return f"data: {self.reason}"
         row = p.train[0][:1].numel() * p.train[0].element_size()
         static = 2 * graph_steps * p.batch_size * row  # train and validation graphs' inputs
         room, how = place.cuda_room(device, peak, static, graph_steps > 0)
         if p.total <= room:
+            self.place_pending(True, f"resident_max_gb auto: {place.gib(p.total)} of raw tensors on the device (room {place.gib(room)}: {how})")
+        else:
+            self.place_pending(False, f"resident_max_gb auto: {place.gib(p.total)} of raw tensors exceed the room of {place.gib(room)} ({how}); "
+                               "batches gathered from host memory into pinned buffers, copied on a side stream")
+        return f"data: {self.reason}"
+
+    def place_pending(self, on_device: bool, reason: str) -> None:
+        """Pending data decided (by `settle`'s measured step, or a data-parallel rank's rule in train/loop/shards.py):
+        onto the device as resident batches, or left in the host batches it has already."""
+        p = self.pending
+        assert p is not None
+        self.pending = None
+        if on_device:
+            device = self.train.device
             self.train = ResidentBatches(*p.train, p.batch_size, device, True, p.seed)
             self.val = ResidentBatches(*p.val, p.batch_size, device, False, p.seed)
             self.resident = True
-            self.reason = f"resident_max_gb auto: {place.gib(p.total)} of raw tensors on the device (room {place.gib(room)}: {how})"
-            return f"data: {self.reason}"
-        self.reason = (f"resident_max_gb auto: {place.gib(p.total)} of raw tensors exceed the room of {place.gib(room)} ({how}); "
-                       "batches gathered from host memory into pinned buffers, copied on a side stream")
-        return f"data: {self.reason}"
+        self.reason = reason
 
 
 def _stream(ds: Dataset) -> Optional[dict[str, Any]]:
@@ -242,7 +251,7 @@ def _host(ds: Dataset, batch_size: int, device: torch.device, shuffle: bool, see
         from mpsrun.train.loop.feed.stream import DiskRows
 
         shape = tuple(spec["sample_shape"])
-        reserve = PINNED_SLOTS * batch_size * math.prod(shape)  # the batch buffers come out of the same budget
+        reserve = buffer_bytes(batch_size, shape)  # the batch buffers (uint8) come out of the same budget
         disk = DiskRows(spec["path"], spec["file_rows"], shape, spec["rows"], spec["labels"], spec["budget"], reserve)
         disk.dataset = ds  # data-parallel ranks read their share through a DataLoader over it
         return HostBatches(disk, batch_size, device, shuffle, seed)

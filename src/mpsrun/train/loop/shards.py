@@ -187,17 +187,14 @@ def _place_now(plan: BatchPlan) -> BatchPlan:
     of a job of equal GPUs; no rank measures a step of its own, whose peak could differ and split the ranks' paths."""
     p = plan.pending
     assert p is not None
-    plan.pending = None
     device = plan.train.device
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else AUTO_RANK_CAP * 2
     room = min(AUTO_RANK_CAP, free // 2)
     if p.total <= room:
-        plan.train = ResidentBatches(*p.train, p.batch_size, device, True, p.seed)
-        plan.val = ResidentBatches(*p.val, p.batch_size, device, False, p.seed)
-        plan.resident = True
-        plan.reason = f"resident_max_gb auto on a rank of a job: {p.total / 2**20:.1f} MiB of raw tensors on the device"
+        plan.place_pending(True, f"resident_max_gb auto on a rank of a job: {p.total / 2**20:.1f} MiB of raw tensors on the device")
     else:
-        plan.reason = f"resident_max_gb auto on a rank of a job: {p.total / 2**20:.1f} MiB exceeds {room / 2**20:.1f} MiB; batches gathered from host memory"
+        plan.place_pending(False, f"resident_max_gb auto on a rank of a job: {p.total / 2**20:.1f} MiB exceeds {room / 2**20:.1f} MiB; "
+                           "batches gathered from host memory")
     return plan
 
 

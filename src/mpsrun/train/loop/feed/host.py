@@ -214,8 +214,7 @@ class HostBatches:
 
     def buffer_bytes(self) -> int:
         """Host bytes the batch buffers hold (counted in a disk stream's budget)."""
-        row = math.prod(self.source.sample_shape) * torch.empty((), dtype=self._x_dtype).element_size()
-        return PINNED_SLOTS * self.batch_size * row
+        return buffer_bytes(self.batch_size, self.source.sample_shape, torch.empty((), dtype=self._x_dtype).element_size())
 
     @property
     def loader(self) -> Any:
@@ -440,6 +439,12 @@ class HostBatches:
             slots.free_dev.put(slot)
         else:
             slots.free_pin.put(slot)
+
+
+def buffer_bytes(batch_size: int, sample_shape: tuple[int, ...], itemsize: int = 1) -> int:
+    """Host bytes of the batch buffers of batches of `batch_size` samples (at most PINNED_SLOTS of them): what a disk
+    stream's budget sets aside for them before the batches exist."""
+    return PINNED_SLOTS * batch_size * math.prod(sample_shape) * itemsize
 
 
 def gather_threads_default() -> int:

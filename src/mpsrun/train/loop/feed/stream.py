@@ -11,6 +11,7 @@ shuffled within a window of blocks (the budget sets how many blocks a window hol
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
@@ -41,6 +42,12 @@ class DiskRows:
         self.rows = np.asarray(rows, dtype=np.int64)
         self.labels = labels
         self.n = len(self.rows)
+        size = os.path.getsize(self.path)
+        if size < self.file_rows * self.row_bytes:  # said here, before an epoch's read runs short in the middle
+            raise OSError(f"{self.path}: {size:,} bytes, short of {self.file_rows:,} samples of {self.row_bytes:,} bytes "
+                          "(the cache file is truncated: delete its folder to decode the images again)")
+        if self.n and (self.rows.min() < 0 or self.rows.max() >= self.file_rows):
+            raise ValueError(f"{self.path}: the split's rows run past the cache's {self.file_rows:,} samples")
         self.budget = int(budget)
         avail = self.budget - int(reserve)
         if avail < 2 * self.row_bytes:
