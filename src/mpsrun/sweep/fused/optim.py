@@ -102,6 +102,8 @@ class FusedOptimizer:
         self.any_wd = any(x.weight_decay != 0 for x in h)
         self.any_mom = any(x.momentum != 0 for x in h)
         self.any_damp = any(x.dampening != 0 for x in h)
+        self.all_mom = all(x.momentum != 0 for x in h)
+        self.neg_lr = -self.lr
         self.any_nesterov = any(x.nesterov for x in h)
 
     def _v(self, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -124,6 +126,9 @@ class FusedOptimizer:
         return _fma(z, x, y) if self.exact else torch.addcmul(z, x, y)
 
     def _sgd(self) -> None:
+        if not self.exact:
+            self._sgd_device()
+            return
         for p, st in zip(self.params, self.state):
             if p.grad is None:
                 continue
@@ -135,10 +140,7 @@ class FusedOptimizer:
                 if buf is None:
                     buf = st["buf"] = g.detach().clone()
                 else:
-                    damp1 = self.damp1
-                    if self.any_damp and not self.exact:  # a buffer made before the first step (a CUDA graph's warm-up, then zeroed)
-                        damp1 = torch.where(self.step_t == 1, torch.ones_like(damp1), damp1)  # takes the gradient undamped, as torch's first step
-                    buf.copy_(self._mad(buf * self._v(self.mom, p), g, self._v(damp1, p)))  # buf.mul_(m).add_(g, alpha=1-d)
+                    buf.copy_(self._mad(buf * self._v(self.mom, p), g, self._v(self.damp1, p)))  # buf.mul_(m).add_(g, alpha=1-d)
                 step = buf
                 if self.any_nesterov:  # grad.add(buf, alpha=momentum), computed only where a member asks for it (the hot path)
                     step = torch.where(self._v(self.nesterov, p), self._mad(g, buf, self._v(self.mom, p)), buf)
@@ -146,6 +148,32 @@ class FusedOptimizer:
             else:
                 upd = g
             p.copy_(self._mad(p, upd, self._v(-self.lr, p)))  # param.add_(grad, alpha=-lr)
+
+    def _sgd_device(self) -> None:
+        """SGD's formulas in place (CUDA, MPS): every member's parameters are read and written once per tensor op, and
+        with hundreds of members the update is bound by memory traffic, not arithmetic (the fused curve's profile)."""
+        for p, st in zip(self.params, self.state):
+            if p.grad is None:
+                continue
+            g = p.grad
+            if self.any_wd:
+                g.addcmul_(p, self._v(self.wd, p))  # grad.add(param, alpha=weight_decay), in the gradient's own memory
+            upd = g
+            if self.any_mom:
+                buf = st.get("buf")
+                if buf is None:  # eager's first step (under graphs the warm-up made it: zero, and damp1 is 1 at step 1)
+                    buf = st["buf"] = g.detach().clone()
+                else:
+                    damp1 = self.damp1
+                    if self.any_damp:
+                        damp1 = torch.where(self.step_t == 1, torch.ones_like(damp1), damp1)
+                    buf.mul_(self._v(self.mom, p)).addcmul_(g, self._v(damp1, p))
+                upd = buf
+                if self.any_nesterov:
+                    upd = torch.where(self._v(self.nesterov, p), g.addcmul(buf, self._v(self.mom, p)), buf)
+                if not self.all_mom:
+                    upd = torch.where(self._v(self.has_mom, p), upd, g)
+            p.addcmul_(upd, self._v(self.neg_lr, p))  # param.add_(grad, alpha=-lr)
 
     def _adam(self) -> None:
         if self.exact:  # torch's single-tensor path: Python floats per member, rounded to float32 as arguments
