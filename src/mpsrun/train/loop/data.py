@@ -6,7 +6,8 @@ inside the (possibly graphed) step. Three places, one order:
   a single kernel, so a batch is a free slice and no per-sample Python runs;
 - host (`feed/host.py`): data over the device's room stays in host memory (or the cache's memory
   map); batches are gathered on a thread into pinned buffers and copied on a side stream while
-  the previous steps run, into the same CUDA graphs' static input;
+  the previous steps run, into the same CUDA graphs' static input (the next epoch's first batches
+  while this epoch's last steps and the validation run);
 - disk (`feed/stream.py`): a cache over the host memory budget is read in shuffled blocks.
 `resident_max_gb: auto` (the default) decides between the first two by what fits beside the model
 (`feed/place.py`; on CUDA after a measured step, `BatchPlan.settle`). The shuffle order comes from a

@@ -7,6 +7,9 @@ event only. A device slot is written again only after the loop's stream has read
 loop records when it asks for the next batch), so the copies of the next batches overlap the steps
 that are running. Under CUDA graphs (`steps.GraphTrainer`) the batches are copied from their slots
 into the graphs' static input, as resident batches are: the same graphs, the same fused kernels.
+The thread runs on past an epoch's last batch into the next epoch's first ones (as many as there are slots),
+so an epoch starts with its batches on the device, not with the device waiting for a graph's worth of them;
+and a memory map's pages are mapped at once before the first epoch (`populate`), not faulted in one by one.
 
 The order: a seeded full permutation per epoch, the very draw the resident path makes, so the batches
 (and so the results) are the resident path's; or, for a cache streamed from disk (`stream.DiskRows`),
