@@ -44,6 +44,7 @@ class Via:
 
     def __init__(self, tracker: Any) -> None:
         self.tracker = tracker
+        self.last_progress = 0.0  # when `progress` last posted (time.monotonic)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -271,7 +272,16 @@ def notes(tracking_uri: str | None, run_id: str, said: list[str], c: Any = None)
         pass
 
 
-def progress(tracking_uri: str | None, run_id: str, done: int, target: int, c: Any = None) -> None:
+def progress(tracking_uri: str | None, run_id: str, done: int, target: int, c: Any = None, every_s: float = 1.0) -> None:
+    """The parent's `mpsrun.sweep.progress` ("done/target"). Through a Via at most every `every_s` seconds: a fused
+    group's members end together (16 tags written one after another, behind their runs' records, for one that
+    counts); the results' publish writes the last one."""
+    if isinstance(c, Via):
+        import time
+
+        if time.monotonic() - c.last_progress < every_s:
+            return
+        c.last_progress = time.monotonic()
     try:
         _set_tag(client_for(tracking_uri, c), run_id, PROGRESS, f"{done}/{target}")
     except Exception:  # noqa: BLE001

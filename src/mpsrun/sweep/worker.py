@@ -247,7 +247,7 @@ def _loop(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
             _one(job, resolved, on_end, tracker, study, marker, cache, placement, tally, None, None, t, values, time.perf_counter())
 
         def finish(t: Any, outcome: "Outcome", values: dict[str, Any], start: float) -> None:
-            _finish(study, t, outcome, values, start, marker, tally, on_end)
+            _finish(study, t, outcome, values, start, marker, tally, on_end, tagged=True)  # a member's state: with its run's end
 
         fused.loop(job, resolved, index, tracker, study, marker, cache, placement, run_one, finish, tally.said)
         return
@@ -305,10 +305,11 @@ def _one(job: Job, resolved: Resolved, on_end: Callable[[TrialEnd, Any], None] |
 
 
 def _finish(study: Any, t: Any, outcome: "Outcome", values: dict[str, Any], start: float, marker: Any, tally: Tally,
-            on_end: Callable[[TrialEnd, Any], None] | None, phases: Any = None) -> None:
-    """A trial's end: the study told, its run's state tagged, its line shown."""
+            on_end: Callable[[TrialEnd, Any], None] | None, phases: Any = None, tagged: bool = False) -> None:
+    """A trial's end: the study told, its run's state tagged (unless `tagged`: a fused member's went with its run's end,
+    fused/record.end), its line shown."""
     _tell(study, t, outcome)
-    if outcome.run_id:
+    if outcome.run_id and not tagged:
         marker.state(outcome.run_id, outcome.state)
     if phases is not None:
         phases.lap("tell")

@@ -62,14 +62,20 @@ def runs_begin(t: Any, specs: list[dict[str, Any]], data: tuple | None = None) -
 
 
 def runs_epoch(t: Any, rows: list[tuple[str, dict[str, float], int, dict[str, str]]]) -> None:
-    """Each (run id, metrics, step, tags): one batch per run. Posted without waiting; never raises."""
+    """Each (run id, metrics, step, tags): one batch per run, whatever the epochs its rows span (the later tag
+    wins). Posted without waiting; never raises."""
     from mlflow.entities import Metric, RunTag
 
     ts = int(time.time() * 1000)
+    per: dict[str, tuple[list[Any], dict[str, str]]] = {}
     for rid, metrics, step, tags in rows:
+        ms, tg = per.setdefault(rid, ([], {}))
+        ms += [Metric(k, float(v), ts, step) for k, v in metrics.items()]
+        tg.update({k: str(v) for k, v in tags.items()})
+    for rid, (ms, tg) in per.items():
         try:
-            t.c.log_batch(rid, metrics=[Metric(k, float(v), ts, step) for k, v in metrics.items()],
-                          tags=[RunTag(k, str(v)) for k, v in tags.items()])
+            for i in range(0, max(len(ms), 1), 1000):  # MLflow takes at most 1000 metrics a batch
+                t.c.log_batch(rid, metrics=ms[i : i + 1000], tags=[RunTag(k, v) for k, v in tg.items()] if i == 0 else [])
         except Exception:  # noqa: BLE001 - a metric is not worth the group; the study holds the value
             continue
 

@@ -209,12 +209,18 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
                 return "PRUNED", f"pruned by Optuna's {sweep.pruner} pruner after epoch {e + 1} ({sweep.metric} {m.value:.6g})"
             return None
 
+        pace = record.Pace()
+
+        def post_rows() -> None:  # the epochs not yet posted, in one call (one batch per member's run)
+            record.epoch(tracker, rows)
+            for m, ep, _ in rows:
+                posted[m.number] = ep + 1
+            rows.clear()
+
         def listen(e: int, seconds: float) -> None:
-            with stop.held():  # the epoch posted whole, and the members that ended told, before a signal stops the group
-                record.epoch(tracker, rows)
-                for m, ep, _ in rows:
-                    posted[m.number] = ep + 1
-                rows.clear()
+            with stop.held():  # the epochs posted whole, and the members that ended told, before a signal stops the group
+                if ended or pace.due():
+                    post_rows()
                 if ended:
                     _end(ended, tracker, notes, finish, starts, trial_mod, told)
                     ended.clear()
@@ -233,6 +239,7 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
         if lap is not None:
             lap.lap("train")
         with stop.held():
+            post_rows()
             _end(list(g.active), tracker, notes, finish, starts, trial_mod, told)
         if lap is not None:
             lap.lap("close")
