@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from mpsrun.train.loop.feed.host import take_rows
+from mpsrun.train.loop.feed.rows import take_rows
 from mpsrun.train.loop.feed.order import BlockOrder, block_order
 
 BLOCK_MAX_BYTES = 32 * 2**20  # a block of consecutive rows is one read (or a few, where held-out rows break it)
