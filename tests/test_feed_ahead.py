@@ -218,3 +218,22 @@ def test_the_graphs_feed_on_cuda_reads_ahead_across_epochs_cuda() -> None:
         assert host.batches_ahead == (0 if epoch == 0 else 6), f"epoch {epoch}"
     host.close()
     assert _gathering() == []
+
+
+@pytest.mark.skipif(not CUDA, reason="pinned memory the GPU reads itself needs a CUDA GPU")
+def test_zero_copy_batches_are_the_resident_batches_cuda() -> None:
+    """The option the benchmark measures: the rows pinned once, each batch an index_select on the GPU over PCIe."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 256, (1000, 3, 16, 16), dtype=torch.uint8, generator=g), torch.arange(1000)
+    dev = torch.device("cuda")
+    res = ResidentBatches(x, y, 64, dev, True, seed=5)
+    host = HostBatches(MemoryRows(x, y), 64, dev, True, seed=5)
+    host.zero_copy = True
+    for epoch in range(2):
+        res.set_epoch(epoch)
+        host.set_epoch(epoch)
+        _settle(host)
+        got = _epoch(host)
+        assert host._alias is not None and _same(_epoch(res), got), f"epoch {epoch}"
+    assert host.batches_ahead > 0
+    host.close()

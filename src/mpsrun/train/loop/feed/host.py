@@ -29,7 +29,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from mpsrun.train.loop.feed.order import epoch_seed
-from mpsrun.train.loop.feed.rows import MemoryEpoch, MemoryRows, populate, take_rows  # noqa: F401 (host.X, as before)
+from mpsrun.train.loop.feed.rows import MemoryEpoch, MemoryRows, pinned_alias, populate, take_rows  # noqa: F401 (host.X, as before)
 
 PINNED_SLOTS = 4  # host buffers: the producer runs this many batches ahead of the copies
 DEVICE_SLOTS = 4  # device buffers for eager steps; graphs ask for two groups' worth (`ahead`)
@@ -106,6 +106,10 @@ class HostBatches:
         self.gather_threads = gather_threads_default()
         # a disk stream reads each byte once an epoch, counted per epoch: its next epoch is not begun early
         self.read_ahead = isinstance(source, MemoryRows)
+        # not yet a default (measured by benchmarks/images_bench.py's host-zero-copy): memory rows pinned once, each
+        # batch gathered by the GPU itself from them over PCIe, on the side stream; the thread only enqueues that
+        self.zero_copy = False
+        self._alias: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # (pinned rows, their GPU view, labels)
         self.batches_ahead = 0  # batches an epoch found gathered before it began (said by the benchmark, checked by a test)
         self.waited_s = 0.0  # seconds the loop waited for the thread in the last epoch (the benchmark says it)
         self._key: Optional[tuple] = None  # the order the next epoch draws (set_epoch)
@@ -172,6 +176,9 @@ class HostBatches:
             self._copied = [torch.cuda.Event() for _ in self._pinned]  # the H2D copy out of a pinned buffer is done
             self._landed = [torch.cuda.Event() for _ in self._dev]  # a device slot holds its batch
             self._used = [torch.cuda.Event() for _ in self._dev]  # the loop's stream has read a device slot
+            if self.zero_copy and isinstance(self.source, MemoryRows):
+                pinned, view = pinned_alias(self.source.x, self.device)
+                self._alias = (pinned, view, self.source.y.to(self.device))
         self._slots = _Slots(len(self._pinned), len(self._dev))
 
     def _gather(self, epoch: Any, out: tuple[torch.Tensor, torch.Tensor], a: int, b: int, pool: Optional[ThreadPoolExecutor]) -> None:
@@ -209,6 +216,20 @@ class HostBatches:
         cuda = self.cuda
         while run.next < upto:
             a, b = run.bounds[run.next]
+            if self._alias is not None:  # zero-copy: the GPU gathers the batch from the pinned rows, on the side stream
+                d = slots.take(slots.free_dev)
+                if d is None:
+                    return False
+                side = self._side
+                with torch.cuda.stream(side):
+                    rows = run.epoch.rows(a, b).to(self.device)  # before the wait: the copy of 2 KB waits for nothing else
+                    side.wait_event(self._used[d])
+                    torch.index_select(self._alias[1], 0, rows, out=self._dev[d][0][: b - a])
+                    torch.index_select(self._alias[2], 0, rows, out=self._dev[d][1][: b - a])
+                    self._landed[d].record(side)
+                run.next += 1
+                run.ready.put((d, b - a))
+                continue
             p = slots.take(slots.free_pin)
             if p is None:
                 return False

@@ -50,6 +50,10 @@ class MemoryEpoch:
         take_rows(self.src.x, idx, out_x[: b - a])
         take_rows(self.src.y, idx, out_y[: b - a])
 
+    def rows(self, a: int, b: int) -> torch.Tensor:
+        """The source rows of positions [a, b) of the epoch."""
+        return torch.arange(a, b) if self.perm is None else self.perm[a:b]
+
     def close(self) -> None:
         pass
 
@@ -96,3 +100,25 @@ def take_rows(src: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
 
 
 _NOT_NUMPY = {torch.bfloat16, getattr(torch, "float8_e4m3fn", torch.bfloat16), getattr(torch, "float8_e5m2", torch.bfloat16)}
+
+
+def pinned_alias(x: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a pinned copy of x, a CUDA tensor over that same host memory): kernels given the second read host memory
+    over PCIe (unified addressing), so a batch is gathered by one index_select on the GPU and no CPU thread copies it.
+
+    Why through `__cuda_array_interface__`: torch has no call that views pinned host memory as a CUDA tensor; it asks
+    the driver where a foreign pointer lives (pinned memory: the GPU that mapped it) and wraps it without a copy. The
+    pinned copy must outlive the view (the caller keeps both).
+    """
+    np_dtype = torch.empty((), dtype=x.dtype).numpy().dtype  # bfloat16 and the like: TypeError, no zero-copy
+    pinned = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    pinned.copy_(x)
+
+    class _Pointer:  # the pinned memory as the GPU addresses it
+        __cuda_array_interface__ = {"shape": tuple(x.shape), "typestr": np_dtype.str, "data": (pinned.data_ptr(), False), "version": 3,
+                                    "strides": None}
+
+    alias = torch.as_tensor(_Pointer(), device=device)
+    if not alias.is_cuda or alias.data_ptr() != pinned.data_ptr():
+        raise RuntimeError("the pinned copy is not addressable from the GPU (no unified addressing)")
+    return pinned, alias
