@@ -103,7 +103,7 @@ class HostBatches:
         self._pinned: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._dev: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._loader: Any = None
-        self.gather_threads = gather_threads_default()
+        self.gather_threads = gather_threads_default(self.cuda)
         # a disk stream reads each byte once an epoch, counted per epoch: its next epoch is not begun early
         self.read_ahead = isinstance(source, MemoryRows)
         # not yet a default (measured by benchmarks/images_bench.py's host-zero-copy): memory rows pinned once, each
@@ -387,14 +387,15 @@ def buffer_bytes(batch_size: int, sample_shape: tuple[int, ...], itemsize: int =
     return PINNED_SLOTS * batch_size * math.prod(sample_shape) * itemsize
 
 
-def gather_threads_default() -> int:
-    """Threads that gather one batch: half the cores this process may use, at most 8 (a batch of 256 images of 256 px
-    is 50 MB; at 17,500 img/s that is 3.4 GB/s of scattered rows, more than one or two cores of a GPU server copy)."""
+def gather_threads_default(cuda: bool = True) -> int:
+    """Threads that gather one batch. Feeding a GPU: half the cores this process may use, at most 8 (a batch of 256
+    images of 256 px is 50 MB; at 17,500 img/s that is 3.4 GB/s of scattered rows, more than one or two cores of a GPU
+    server copy). Feeding the CPU or MPS: a quarter, at most 4, as before (on the CPU the steps want the cores)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # macOS
         cores = os.cpu_count() or 2
-    return max(1, min(GATHER_THREADS_MAX, cores // 2))
+    return max(1, min(GATHER_THREADS_MAX, cores // 2) if cuda else min(4, cores // 4))
 
 
 class Feed:
