@@ -44,12 +44,14 @@ def _settle(host: HostBatches) -> None:
         host._worker.join(timeout=10)
 
 
-def _gathering() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("mpsrun-")]
+def _gathering(before: set) -> list[str]:
+    """Feeding threads alive now that were not before (another test's runs in this process may hold their own)."""
+    return [t.name for t in set(threading.enumerate()) - before if t.name.startswith(("mpsrun-host-batches", "mpsrun-gather"))]
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_the_next_epoch_is_gathered_ahead_and_its_batches_are_the_resident_ones(shuffle: bool) -> None:
+    before = set(threading.enumerate())
     x, y = _data()
     res = ResidentBatches(x, y, 16, torch.device("cpu"), shuffle, seed=5)
     host = HostBatches(MemoryRows(x, y), 16, torch.device("cpu"), shuffle, seed=5)
@@ -62,7 +64,7 @@ def test_the_next_epoch_is_gathered_ahead_and_its_batches_are_the_resident_ones(
         assert _same(_epoch(res), got), f"epoch {epoch}"
         assert host.batches_ahead == (0 if epoch == 0 else len(host._pinned)), f"epoch {epoch}"
     host.close()
-    assert _gathering() == []
+    assert _gathering(before) == []
 
 
 def test_an_epoch_in_another_order_drops_what_was_gathered_ahead() -> None:
@@ -89,6 +91,7 @@ def test_an_epoch_in_another_order_drops_what_was_gathered_ahead() -> None:
 
 
 def test_an_epoch_left_early_stops_the_thread_and_the_next_is_whole() -> None:
+    before = set(threading.enumerate())
     x, y = _data()
     res = ResidentBatches(x, y, 16, torch.device("cpu"), True, seed=5)
     host = HostBatches(MemoryRows(x, y), 16, torch.device("cpu"), True, seed=5)
@@ -98,7 +101,7 @@ def test_an_epoch_left_early_stops_the_thread_and_the_next_is_whole() -> None:
     next(it)
     next(it)
     it.close()  # e.g. a first batch taken to compile
-    assert _gathering() == []  # stopped, nothing gathered ahead
+    assert _gathering(before) == []  # stopped, nothing gathered ahead
     res.set_epoch(0)
     host.set_epoch(0)
     assert host.batches_ahead == 0 and _same(_epoch(res), _epoch(host))
@@ -107,6 +110,7 @@ def test_an_epoch_left_early_stops_the_thread_and_the_next_is_whole() -> None:
 
 def test_an_epoch_begun_while_the_last_is_still_open_neither_hangs_nor_mixes_batches() -> None:
     """Iterators left open (not run to the end, not closed): the next epoch takes over; the old one may not read on."""
+    before = set(threading.enumerate())
     x, y = _data()
     res = ResidentBatches(x, y, 16, torch.device("cpu"), True, seed=5)
     host = HostBatches(MemoryRows(x, y), 16, torch.device("cpu"), True, seed=5)
@@ -132,7 +136,7 @@ def test_an_epoch_begun_while_the_last_is_still_open_neither_hangs_nor_mixes_bat
     with pytest.raises(RuntimeError, match="read on after the next one began"):
         next(whole)
     host.close()
-    assert _gathering() == []
+    assert _gathering(before) == []
 
 
 def test_the_graphs_feed_closing_at_the_last_batch_keeps_the_read_ahead() -> None:
@@ -196,6 +200,7 @@ def test_a_truncated_cache_is_said_when_the_stream_opens_it(tmp_path: Path) -> N
 
 @pytest.mark.skipif(not CUDA, reason="device slots, pinned buffers and the side stream need a CUDA GPU")
 def test_the_graphs_feed_on_cuda_reads_ahead_across_epochs_cuda() -> None:
+    before = set(threading.enumerate())
     g = torch.Generator().manual_seed(3)
     x, y = torch.randint(0, 256, (1000, 3, 16, 16), dtype=torch.uint8, generator=g), torch.arange(1000)
     dev = torch.device("cuda")
@@ -217,7 +222,7 @@ def test_the_graphs_feed_on_cuda_reads_ahead_across_epochs_cuda() -> None:
         assert _same(_epoch(res), got), f"epoch {epoch}"
         assert host.batches_ahead == (0 if epoch == 0 else 6), f"epoch {epoch}"
     host.close()
-    assert _gathering() == []
+    assert _gathering(before) == []
 
 
 @pytest.mark.skipif(not CUDA, reason="pinned memory the GPU reads itself needs a CUDA GPU")
