@@ -224,7 +224,8 @@ def engine_run(train_ds, val_ds, transform, train_transform, a: argparse.Namespa
                   f"{plan.train.waited_s:.2f} s for batches of its {last_s:.2f} s")
         plan.train.close()
         plan.val.close()
-    return statistics.median(rates[1:] or rates), options.notes, f"{where}, graphs {'on' if options.graphs else 'off'}" + (f", {' + '.join(fused)}" if fused else "")
+    where += f", graphs {'on' if options.graphs else 'off'}" + (f", {' + '.join(fused)}" if fused else "")
+    return statistics.median(rates[1:] or rates), options.notes, where + f"; epochs {' / '.join(f'{r:,.0f}' for r in rates)} img/s"
 
 
 def listing_run(n: int, tmp: Path, say: Callable[[str], None]) -> None:
