@@ -17,13 +17,17 @@ from tests.test_sweep_fused import BASE, PLACE, _Trial, _worst
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: fused groups replay as CUDA graphs there")
 
 
-def _members(tmp_path: Path, optimizer: str, variants: list[dict[str, Any]], device: str, name: str) -> tuple[list, list]:
+CNN_BASE = BASE.replace("  name: mlp\n  hidden: [16]\n", "  name: cnn\n  channels: [8, 16]\n  hidden: 32\n  dropout: 0.0\n  batch_norm: true\n")
+assert CNN_BASE != BASE
+
+
+def _members(tmp_path: Path, optimizer: str, variants: list[dict[str, Any]], device: str, name: str, base: str = BASE) -> tuple[list, list]:
     from mpsrun.plugins import resolve
     from mpsrun.recipe.sweep import trial_recipe
     from mpsrun.sweep.fused import members
 
     path = tmp_path / f"{name}.yaml"
-    path.write_text(BASE.format(device=device, optimizer=optimizer))
+    path.write_text(base.format(device=device, optimizer=optimizer))
     base = resolve(path)
     recs = [trial_recipe(base, {**v, **PLACE}) for v in variants]
     return [members.Member(_Trial(i), v, r, {}) for i, (v, r) in enumerate(zip(variants, recs))], recs
@@ -88,6 +92,29 @@ def test_graphed_members_follow_their_solo_runs_on_cuda(tmp_path: Path) -> None:
 
 
 @CUDA
+def test_graphed_cnn_members_packed_channels_last_follow_their_solo_runs_on_cuda(tmp_path: Path) -> None:
+    """Conv + batch-norm members, their stages packed channels_last under graphs, against `mpsrun run`'s own
+    engine (channels_last, fused pool/norm kernels, TF32 convolutions: close, not equal)."""
+    from mpsrun.sweep.fused import graphed, members
+    from mpsrun.train import runner
+    from mpsrun.train.loop.engine import Listener, train
+
+    mems, recs = _members(tmp_path, "sgd", SGD[:2], "cuda", "cnn", CNN_BASE)
+    b = members.build(mems, {})
+    said: list[str] = []
+    g, _ = graphed.group_for(b, said.append)
+    assert isinstance(g, graphed.GraphedGroup) and b.stacked.pack and b.stacked.channels_last
+    g.run(lambda m, e, metrics: None)
+    assert g.eager is None and not said, said
+    pairs = []
+    for m, r in zip(mems, recs):
+        s = runner.prepare(r)
+        res = train(s.model, s.optimizer, s.plan, s.choice.device, r.recipe.epochs, s.options, Listener(), objective=s.objective)
+        pairs += [(em.val_loss, m.history[e]["val_loss"]) for e, em in enumerate(res.epochs)]
+    assert _worst(pairs) <= 1e-2, pairs
+
+
+@CUDA
 def test_a_member_that_leaves_the_graphed_group_leaves_the_others_unchanged_on_cuda(tmp_path: Path) -> None:
     """Member 0 pruned after epoch 1: the graphs are captured again for the other two, whose numbers are the
     eager group's with the same departure."""
@@ -137,3 +164,32 @@ def test_a_cpu_group_stays_eager_and_exact(tmp_path: Path) -> None:
     b = members.build(mems, {})
     g, note = graphed.group_for(b, lambda s: None)
     assert type(g) is engine.Group and note == "" and b.graphs is False  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_packed_convolution_stages_compute_what_the_member_by_member_layout_does(channels_last: bool) -> None:
+    """The CUDA layout (graphed.group_for packs conv stages: [B, M*C, H, W], channels_last) checked on the CPU against
+    the [M, B, C, H, W] layout: outputs, every gradient and the batch-norm's running statistics."""
+    from torch import nn
+
+    from mpsrun.sweep.fused import layers
+
+    def model(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Sequential(nn.Conv2d(8, 4, 3, padding=1), nn.ReLU()), nn.AdaptiveAvgPool2d(2),
+                             nn.Flatten(), nn.Linear(16, 5))
+
+    x = torch.randn(3, 6, 3, 8, 8)
+    outs = []
+    for pack in (False, True):
+        st = layers.Stacked([model(s) for s in range(3)])
+        st.pack, st.channels_last = pack, channels_last
+        out = st(x)
+        out.square().sum().backward()
+        outs.append((out.detach(), [p.grad for p in st.params], [t.clone() for slot in st.where for k, t in slot.items() if "running" in k]))
+    (o0, g0, r0), (o1, g1, r1) = outs
+    assert o1.shape == o0.shape == (3, 6, 5)
+    torch.testing.assert_close(o1, o0, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g0 + r0, g1 + r1):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)

@@ -41,8 +41,10 @@ def group_for(b: Built, say: Callable[[str], None]) -> tuple[Group, str]:
     """The group that trains `b` (graphed on CUDA unless the recipe says graphs: false) and its note."""
     on, note = wanted(b)
     if b.device.type == "cuda" and any(isinstance(layer, torch.nn.Conv2d) for layer in b.stacked.layers):
-        choice = b.members[0].resolved.recipe.cudnn_benchmark
-        torch.backends.cudnn.benchmark = choice is not False  # as a solo conv run resolves `auto` on CUDA
+        r = b.members[0].resolved.recipe
+        torch.backends.cudnn.benchmark = r.cudnn_benchmark is not False  # as a solo conv run resolves `auto` on CUDA
+        b.stacked.pack = True  # convolution stages packed by member, channels_last as a solo conv run on CUDA has it
+        b.stacked.channels_last = r.channels_last is not False
     b.graphs = on  # type: ignore[attr-defined] - the members' resolved.graphs parameter (record.begin)
     return (GraphedGroup(b, say) if on else Group(b)), note
 
