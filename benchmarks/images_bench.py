@@ -282,17 +282,68 @@ def feed_run(cache_file: Path, shape: tuple, a: argparse.Namespace, device: torc
         f"batch {a.batch}, gathered in a shuffled order from a fresh memory map of the cache (page cache warm) on {cores} cores; "
         f"default gather threads here: {default}")
     best = (0.0, default)
+    mine = 0.0  # the default thread count's steady rate
     for t in counts:
         first, steady, ahead = measure(torch.device("cpu"), t)
         best = max(best, (steady, t))
+        mine = steady if t == default else mine
         say(f"  feed, gather only, {t:2d} thread{'s' if t > 1 else ' '}: steady {steady:,.0f} img/s ({steady * row / 1e9:.2f} GB/s), "
             f"first epoch (a fresh map) {first:,.0f} img/s{'  <- default' if t == default else ''}")
+    if device.type != "cuda":  # the graphs' pattern with a stand-in for the GPU, read-ahead off (as before) and on
+        for ahead in (False, True):
+            rates = stand_in(cache_file, shape, a, default, a.batch / (0.5 * mine), ahead)
+            say(f"  feed, the graphs' pattern (16 batches a replay, 34 slots) into a stand-in GPU of {0.5 * mine:,.0f} img/s (half the "
+                f"gather's), {default} thread(s), read-ahead {'on ' if ahead else 'off'}: epochs {' / '.join(f'{r:,.0f}' for r in rates)} img/s, "
+                f"steady {statistics.median(rates[1:]):,.0f} ({statistics.median(rates[1:]) / (0.5 * mine):.2f} of the stand-in)")
     if device.type == "cuda":
         for t in sorted({default, best[1], 4}):
             first, steady, ahead = measure(device, t)
             say(f"  feed, gather + copy to the GPU (pinned, side stream), {t:2d} threads: steady {steady:,.0f} img/s ({steady * row / 1e9:.2f} GB/s), "
                 f"first epoch {first:,.0f} img/s; batches gathered ahead of an epoch: {ahead}{'  <- default' if t == default else ''}")
         zero_copy(cache_file, shape, a, device, say)
+
+
+def stand_in(cache_file: Path, shape: tuple, a: argparse.Namespace, threads: int, step_s: float, ahead: bool) -> list[float]:
+    """Epoch img/s of the host batches fed as the graphs take them: 16 batches, then a replay handed to a stand-in GPU
+    (a thread that sleeps step_s a batch, while the loop goes on to the next 16), the epoch timed to the stand-in's
+    end with a pause between epochs (the validation); 34 buffers, the device slots the graphs ask for."""
+    import queue
+    import threading
+
+    from mpsrun.train.loop.feed import host
+
+    n = shape[0]
+    x = torch.from_numpy(np.memmap(cache_file, dtype=np.uint8, mode="c", shape=shape))
+    saved, host.PINNED_SLOTS = host.PINNED_SLOTS, 34  # on the CPU the pinned buffers are the slots
+    hb = host.HostBatches(host.MemoryRows(x, torch.zeros(n, dtype=torch.long)), a.batch, torch.device("cpu"), True, 0)
+    host.PINNED_SLOTS = saved
+    hb.gather_threads, hb.read_ahead = threads, ahead
+    replays: queue.Queue = queue.Queue()
+
+    def gpu() -> None:
+        while (k := replays.get()) is not None:
+            time.sleep(k * step_s)
+            replays.task_done()
+
+    threading.Thread(target=gpu, daemon=True).start()
+    rates = []
+    for e in range(4):
+        hb.set_epoch(e)
+        t0 = time.perf_counter()
+        k = 0
+        for _ in hb:
+            k += 1
+            if k == 16:
+                replays.put(k)
+                k = 0
+        if k:
+            replays.put(k)
+        replays.join()
+        rates.append(n / (time.perf_counter() - t0))
+        time.sleep(0.2)
+    replays.put(None)
+    hb.close()
+    return rates
 
 
 def zero_copy(cache_file: Path, shape: tuple, a: argparse.Namespace, device: torch.device, say: Callable[[str], None]) -> None:
