@@ -3,7 +3,8 @@ the last steps run, the batches stay the resident path's in order, an epoch that
 gathered ahead, an epoch left early stops the thread, and a memory map's pages are mapped before the first gather.
 A disk stream over a truncated cache file says so when it is opened.
 
-The CUDA test at the end (the graphs' feed from device slots across epochs) skips without CUDA.
+The CUDA tests at the end (the graphs' feed from device slots across epochs; the zero-copy option's batches) skip
+without CUDA.
 """
 
 from __future__ import annotations
