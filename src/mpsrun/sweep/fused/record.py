@@ -1,11 +1,12 @@
 """Each member of a fused group its own MLflow child run: params, tags, recipe, dataset inputs, per-epoch metrics, end.
 
-Through the worker's MLflow helper (track/records/apart.py): one call creates the group's
-runs, one posted call per epoch logs every member's metrics, one posted call ends the
-members that ended. A member's run carries what an unfused trial's carries (its recipe's
-params, `recipe.yaml`, device and version tags, the trial's tags) plus `mpsrun.sweep.group`
-(the group's id) and `mpsrun.sweep.group_size`, and liveness tags, so `mpsrun runs` shows a
-run whose worker is gone as interrupted.
+Through the worker's MLflow helper (track/apart.py): one call creates the group's runs, one
+posted call fills in their params, recipes and dataset inputs, posted calls log the members'
+epoch metrics (every few seconds: Pace), one posted call ends the members that ended.
+A member's run carries what an unfused trial's carries (its recipe's params, `recipe.yaml`,
+device and version tags, the trial's tags) plus `mpsrun.sweep.group` (the group's id) and
+`mpsrun.sweep.group_size`, and liveness tags, so `mpsrun runs` shows a run whose worker is gone
+as interrupted.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from mpsrun.sweep.fused.members import Built, Member
 
 GROUP, GROUP_SIZE, FUSED = "mpsrun.sweep.group", "mpsrun.sweep.group_size", "mpsrun.sweep.fused"
-EVERY_S = 5.0  # the members' epoch metrics posted at most this often: as a run's own (store.Tracker's interval)
+EVERY_S = 1.0  # the members' epoch metrics posted at most this often (a run's own: every 5 s, store.Tracker's interval)
 
 
 class Pace:
@@ -95,7 +96,8 @@ def begin(tracker: Any, b: Built, group_id: str, parent_run_id: str, notes: list
         data = (r0.dataset.name, splits, record._source_path(fake), source_tags)  # noqa: SLF001
     except Exception:  # noqa: BLE001 - the runs go on without dataset inputs
         data = None
-    ids = _hook(tracker, "runs_begin", specs, data)
+    ids = _hook(tracker, "runs_begin", specs, None, False)  # the runs, waited for (their ids go on the trials)
+    _post(tracker, "runs_fill", ids, specs, data)  # their params, recipes and dataset inputs while the group trains
     for m, rid in zip(b.members, ids):
         m.run_id = rid
         try:

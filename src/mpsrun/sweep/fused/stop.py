@@ -82,10 +82,16 @@ def lose(study: Any, trials: list[Any], why: str) -> None:
 
 
 def abandon(study: Any, tracker: Any, members: list[Any], posted: dict[int, int], notes: list[str], why: str) -> None:
-    """Members a signal stopped: their finished epochs all posted, their runs ended KILLED (waited for), their trials lost."""
+    """Members a signal stopped: their finished epochs all posted, their runs ended KILLED (waited for), their trials lost.
+
+    Finished: by every member. The group trains in lockstep, and the engine hands an epoch's metrics to its members one
+    by one (each member's pruner report held against the signal on its own), so a signal in between left the first
+    members one epoch ahead of the others (their runs' epochs_done 42 and 41: seen in CI); that epoch is not kept.
+    """
     from mpsrun.sweep.fused import record
 
-    rows = [(m, e, m.history[e]) for m in members for e in range(posted.get(m.number, 0), len(m.history))]
+    done = min((len(m.history) for m in members), default=0)
+    rows = [(m, e, m.history[e]) for m in members for e in range(posted.get(m.number, 0), done)]
     try:
         record.epoch(tracker, rows)
         for m in members:

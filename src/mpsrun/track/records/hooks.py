@@ -22,7 +22,7 @@ from mpsrun.track.records import figures
 
 # What the run's hooks need, imported by the helper while the training process trains, in the
 from mpsrun.track.records import standard
-from mpsrun.track.apart import client_calls, runs_begin, runs_end, runs_epoch  # noqa: F401 - hooks: a fused sweep group's member runs, its parent
+from mpsrun.track.apart import client_calls, runs_begin, runs_end, runs_epoch, runs_fill  # noqa: F401 - hooks: a fused sweep group's member runs, its parent
 # order they are asked for: dataset inputs at the start, figures, then the model (torch, pt2).
 WARM_MODULES = ("mlflow.data", "mlflow.entities", "matplotlib.figure", "matplotlib.backends.backend_agg",
                 "mlflow.models", "mlflow.pyfunc", "mlflow.utils.environment", "mlflow.utils.model_utils", "mlflow.system_metrics.system_metrics_monitor",
