@@ -223,3 +223,70 @@ def test_a_signal_during_a_group_s_bookkeeping_is_raised_when_the_step_ends() ->
                 steps.append("not reached")
     assert steps == ["step done"] and getattr(e.value, "exit_code", None) == 143
     assert {s: signal.getsignal(s) for s in before} == before  # the handlers given back
+
+
+def test_the_sweep_command_imports_no_mlflow_its_helper_writes_the_parent(tmp_path: Path, template_db: Path) -> None:
+    """The parent run's MLflow calls go through worker 0's helper (parent.Via): the launching command never imports
+    mlflow (3-4 s on 2 cores, before its first trial could start, while the helper had it on the other core); the
+    parent still gets its results, figures and status, the members their runs, through a real command."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    (tmp_path / "mlruns").mkdir()
+    shutil.copy(template_db, tmp_path / "mlruns" / "mlflow.db")
+    path = tmp_path / "fs.yaml"
+    path.write_text(SWEEP.replace("epochs: 2", "epochs: 1").replace("1.0e+12", "0.1").replace("[[16], [8]]", "[[16]]").replace("trials: 4", "trials: 3"))
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MPSRUN_MLFLOW_HELPER")}
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "mpsrun", "sweep", str(path), "-q"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr[-4000:]
+    imported = {line.rsplit("|", 1)[1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" in imported and "optuna" in imported  # what the command itself imports is seen
+    assert not {m for m in imported if m == "mlflow" or m.startswith("mlflow.")}
+    work = Workdir(tmp_path)
+    runs = work.runs("fused_sweep")
+    parent = [k for k in runs if k.data.tags.get("mpsrun.sweep") == "parent"][0]
+    kids = [k for k in runs if k.data.tags.get("mpsrun.sweep") == "trial"]
+    assert parent.info.status == "FINISHED" and parent.data.tags["mpsrun.sweep.progress"] == "3/3"
+    assert parent.data.metrics["trials_complete"] == 3 and "mpsrun.sweep.best_run_id" in parent.data.tags
+    c = work.client()
+    assert {"best_recipe.yaml", "trials.csv", "figures"} <= {a.path for a in c.list_artifacts(parent.info.run_id)}
+    assert "figures/optimization_history.png" in {a.path for a in c.list_artifacts(parent.info.run_id, "figures")}
+    assert len(kids) == 3 and {k.data.tags["mpsrun.sweep.state"] for k in kids} == {"COMPLETE"}
+    assert all("optimizer.lr" in k.data.params and len(work.history(k.info.run_id, "val_loss")) == 1 for k in kids)
+
+
+def test_epochs_posted_together_are_one_batch_per_member_run(tmp_path: Path, template_db: Path) -> None:
+    """A group's epochs that came faster than the pace are written one batch per member's run (not one per epoch:
+    each batch is a few SQLite commits), every step kept, the epochs-done tag the latest."""
+    import shutil
+    import types
+
+    from mlflow.tracking import MlflowClient
+
+    from mpsrun.sweep.fused import record
+    from mpsrun.track.records import hooks
+
+    shutil.copy(template_db, tmp_path / "mlflow.db")
+    c = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = c.create_experiment("e", artifact_location=str(tmp_path / "art"))
+    ids = [c.create_run(exp).info.run_id for _ in range(2)]
+    batches: list[str] = []
+
+    class Counted:  # the real client, its batches counted
+        def __getattr__(self, name: str) -> Any:
+            return getattr(c, name)
+
+        def log_batch(self, run_id: str, **kw: Any) -> None:
+            batches.append(run_id)
+            c.log_batch(run_id, **kw)
+
+    rows = [(rid, {"val_loss": 1.0 / (e + 1), "train_loss": 2.0}, e, {"mpsrun.epochs_done": str(e + 1)}) for e in range(3) for rid in ids]
+    hooks.runs_epoch(types.SimpleNamespace(c=Counted()), rows)
+    assert sorted(batches) == sorted(ids)
+    for rid in ids:
+        assert [(m.step, m.value) for m in c.get_metric_history(rid, "val_loss")] == [(0, 1.0), (1, 0.5), (2, 1.0 / 3)]
+        assert c.get_run(rid).data.tags["mpsrun.epochs_done"] == "3"
+    assert record.Pace(every_s=60).due() is False and record.Pace(every_s=0).due() is True
