@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ def _shares_state(item: pytest.Item) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput") and ENV not in os.environ:  # the controller (or a run without xdist)
         os.environ[ENV] = str(Path(tempfile.mkdtemp(prefix="gate-")) / "split.json")  # the workers it starts inherit it
+        config.add_cleanup(lambda: shutil.rmtree(Path(os.environ.pop(ENV)).parent, ignore_errors=True))
 
 
 @pytest.hookimpl(tryfirst=True)
