@@ -52,34 +52,37 @@ def file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
-def loadfile(files: list[tuple[str, list[float]]], workers: int) -> tuple[float, dict[int, list[str]]]:
-    """xdist's LoadScopeScheduling in queue order: returns the makespan and each worker's files."""
+def loadfile(files: list[tuple[str, list[float]]], workers: int, reserve_smallest: bool = False) -> tuple[float, dict[int, list[str]]]:
+    """xdist's LoadScopeScheduling over units in queue order: the makespan and each worker's units.
+
+    A worker gets one unit, then one more whenever its tests not yet ended are 2 or fewer (a worker runs a test only
+    once it knows the next). reserve_smallest: that extra unit is the smallest left (the gate plugin), not the next.
+    """
     queue = collections.deque(files)
     clock = [0.0] * workers
     took: dict[int, list[str]] = collections.defaultdict(list)
-    # each worker: a list of pending test durations (its assigned units, in order)
-    pending: list[collections.deque[float]] = [collections.deque() for _ in range(workers)]
+    pending: list[collections.deque[float]] = [collections.deque() for _ in range(workers)]  # not yet started
 
     def give(w: int) -> None:
-        name, tests = queue.popleft()
+        name, tests = queue.pop() if reserve_smallest and pending[w] else queue.popleft()
         pending[w].extend(tests)
         took[w].append(name)
 
     for w in range(workers):
         if queue:
             give(w)
-    for w in range(workers):  # "at least two units" when the first is short (xdist #277)
+    for w in range(workers):
         if queue and len(pending[w]) <= 2:
             give(w)
     events = [(0.0, w) for w in range(workers)]
     heapq.heapify(events)
     while events:
-        t, w = heapq.heappop(events)
+        t, w = heapq.heappop(events)  # worker w's test ended at t (or it starts)
+        if queue and len(pending[w]) <= 2 and t > 0:
+            give(w)
         if not pending[w]:
             continue
         clock[w] = t + pending[w].popleft()
-        if queue and len(pending[w]) <= 2:
-            give(w)
         heapq.heappush(events, (clock[w], w))
     return max(clock), took
 
@@ -161,10 +164,12 @@ def main() -> int:
     by_weight = sorted(files, key=lambda kv: -sum(kv[1]))
     longest = max(d for v in est.values() for d in v.values())
     print(f"\nmakespan, s (pytest's own time; the floor: total / workers or the longest test, {longest:.0f} s)")
-    print(f"{'workers':>7s} {'floor':>6s} {'loadfile':>9s} {'loadfile longest 1st':>21s} {'gate plugin':>12s} {'LPT per test':>13s}")
+    print(f"{'workers':>7s} {'floor':>6s} {'loadfile':>9s} {'loadfile longest 1st':>21s} {'gate plugin':>12s} "
+          f"{'(reserve smallest)':>19s} {'LPT per test':>13s}")
     for n in (int(x) for x in a.workers.split(",")):
         print(f"{n:7d} {max(total / n, longest):6.0f} {loadfile(by_count, n)[0]:9.0f} {loadfile(by_weight, n)[0]:21.0f} "
-              f"{loadfile(units(est, split), n)[0]:12.0f} {lpt([d for v in est.values() for d in v.values()], n):13.0f}")
+              f"{loadfile(units(est, split), n)[0]:12.0f} {loadfile(units(est, split), n, True)[0]:19.0f} "
+              f"{lpt([d for v in est.values() for d in v.values()], n):13.0f}")
     if a.weights:
         with open(a.weights, "w") as f:
             json.dump({"made_by": "python .ci/gate_plan.py " + " ".join(sys.argv[1:]),

@@ -10,8 +10,9 @@ processes) and by long files handed out last. Here:
   that fixture again on each worker taking a piece;
 - every other file stays whole (loadfile's behaviour);
 - units go out longest first (estimated GPU seconds from .ci/gate_weights.json, which `.ci/gate_plan.py --weights`
-  makes from measured report logs), so short ones fill the end instead of a long one starting last. A test that file
-  does not know counts UNKNOWN_S.
+  makes from measured report logs), so short ones fill the end instead of a long one starting last. (xdist gives a worker
+  a second unit while its first runs; `.ci/gate_plan.py` found handing the shortest one left there worse: the end
+  then lacks short units to fill it.) A test that file does not know counts UNKNOWN_S.
 
 How: the workers collect, sort the items and write the split files to $GATE_SPLIT_FILE (the controller made it); the
 controller's scheduler (LoadFileScheduling with a test's own nodeid as the unit for a split file) reads it once every
