@@ -20,7 +20,6 @@ from typing import Any
 
 from mpsrun.recipe.load import Resolved
 from mpsrun.sweep import space, storage
-from mpsrun.track.store import client as store
 
 
 @dataclass

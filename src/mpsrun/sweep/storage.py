@@ -236,6 +236,21 @@ def over_budget(study: Any, trial: Any, target: int) -> bool:
     return trial.number not in alive[:target]
 
 
+def ask(study: Any, target: int) -> Any | None:
+    """A new trial, marked as this worker's (`me`); None where other workers took the budget's last place at the same
+    moment: that trial is then failed as surplus (SURPLUS says why; not counted) and this worker asks no more."""
+    from optuna.trial import TrialState
+
+    t = study.ask()
+    for k, v in me().items():
+        t.set_user_attr(k, v)
+    if not over_budget(study, t, target):
+        return t
+    t.set_user_attr(SURPLUS, "the budget was reached by other workers")
+    study.tell(t, state=TrialState.FAIL)
+    return None
+
+
 def heartbeat_thread(study: Any, trial_id: int) -> Any:
     """Optuna's own heartbeat for a trial asked outside `study.optimize` (RDB storages); a no-op elsewhere."""
     import optuna

@@ -232,11 +232,7 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
 
 def _loop(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, Any], None] | None, tracker: Any, study: Any,
           marker: Any, cache: Any, placement: dict[str, Any], tally: Tally, totals: Any) -> None:
-    from optuna.trial import TrialState
-
-    from mpsrun.recipe.sweep import trial_recipe
     from mpsrun.sweep import trace
-    from mpsrun.sweep import trial as trial_mod
 
     sweep = resolved.recipe.sweep
     assert sweep is not None
@@ -258,12 +254,8 @@ def _loop(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
         done, running = storage.budget(study, job.target)
         if done + running >= job.target:
             break
-        t = study.ask()
-        for k, v in storage.me().items():
-            t.set_user_attr(k, v)
-        if storage.over_budget(study, t, job.target):  # another worker took the last place at the same moment
-            t.set_user_attr(storage.SURPLUS, "the budget was reached by other workers")
-            study.tell(t, state=TrialState.FAIL)
+        t = storage.ask(study, job.target)
+        if t is None:  # another worker took the last place at the same moment
             break
         if phases is not None:
             phases.lap("ask")

@@ -78,8 +78,8 @@ def _title(setup: "Setup", tracker: "Tracker") -> str:
 INPUT_SAMPLE_BYTES = 64 * 2**20  # above this, a split's MLflow dataset input describes its first rows only
 
 
-def _splits(setup: "Setup") -> tuple[list[track_datasets.Split], list[str]]:
-    """Each split's raw tensors for its MLflow dataset input.
+def input_splits(setup: "Setup") -> tuple[list[track_datasets.Split], list[str]]:
+    """Each split's raw tensors for its MLflow dataset input (a run's here; a fused sweep group's, sweep/fused/record.py).
 
     A large split (an image cache of gigabytes) is cut to its first rows: the whole of it would
     be pickled to the helper process and flattened by MLflow's digest (which reads only its first
@@ -138,6 +138,15 @@ def _plugin(kind: str, name: str) -> plugins.PluginRef | None:
         return None
 
 
+def dataset_source(setup: "Setup") -> tuple[str | None, dict[str, str]]:
+    """What the MLflow dataset inputs say of their source: the path the plugin read (if any), and the plugin and its arguments."""
+    r = setup.resolved.recipe
+    ref = _plugin("dataset", r.dataset.name)
+    tags = {"mpsrun.plugin": f"{ref.distribution} {ref.version} ({ref.value})" if ref else r.dataset.name,
+            "mpsrun.arguments": json.dumps(r.dataset.kwargs, default=str)}
+    return _source_path(setup), tags
+
+
 def _host(a: Any) -> np.ndarray:
     return a.detach().to("cpu").numpy() if torch.is_tensor(a) else np.asarray(a)
 
@@ -170,13 +179,11 @@ def begin(tracker: "Tracker", setup: "Setup", system_metrics: bool = True) -> Re
         # (60,000 images: ~50 MB through the pipe, a tenth of a second of the trial's CPU time).
         splits, skipped = None, tracker._mpsrun_splits[1]
     else:
-        splits, skipped = _splits(setup)
+        splits, skipped = input_splits(setup)
         if key is not None:
             tracker._mpsrun_splits = (key, skipped)
-    ref = _plugin("dataset", r.dataset.name)
-    tags = {"mpsrun.plugin": f"{ref.distribution} {ref.version} ({ref.value})" if ref else r.dataset.name,
-            "mpsrun.arguments": json.dumps(r.dataset.kwargs, default=str)}
-    args = (str(setup.resolved.path), r.dataset.name, splits, _source_path(setup), tags, system_metrics, setup.choice.device.type, key)
+    source, tags = dataset_source(setup)
+    args = (str(setup.resolved.path), r.dataset.name, splits, source, tags, system_metrics, setup.choice.device.type, key)
     if hasattr(type(tracker), "hook_later"):
         # With the helper (a sweep's trial, or `mpsrun run`): the dataset inputs are written while the run trains
         # (MLflow's digest of 60,000 images is a quarter of a second in the helper, which this process used to

@@ -11,7 +11,6 @@ as interrupted.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import types
@@ -88,12 +87,9 @@ def begin(tracker: Any, b: Built, group_id: str, parent_run_id: str, notes: list
     data = None
     try:
         fake = types.SimpleNamespace(splits=b.splits, resolved=b.members[0].resolved)
-        splits, _ = record._splits(fake)  # noqa: SLF001 - the same inputs a trial's run gets
-        r0 = b.members[0].resolved.recipe
-        ref = record._plugin("dataset", r0.dataset.name)  # noqa: SLF001
-        source_tags = {"mpsrun.plugin": f"{ref.distribution} {ref.version} ({ref.value})" if ref else r0.dataset.name,
-                       "mpsrun.arguments": json.dumps(r0.dataset.kwargs, default=str)}
-        data = (r0.dataset.name, splits, record._source_path(fake), source_tags)  # noqa: SLF001
+        splits, _ = record.input_splits(fake)  # the same inputs a trial's run gets
+        source, source_tags = record.dataset_source(fake)
+        data = (b.members[0].resolved.recipe.dataset.name, splits, source, source_tags)
     except Exception:  # noqa: BLE001 - the runs go on without dataset inputs
         data = None
     ids = _hook(tracker, "runs_begin", specs, None, False)  # the runs, waited for (their ids go on the trials)

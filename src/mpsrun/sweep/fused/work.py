@@ -11,7 +11,6 @@ why, once. Heartbeats, lost trials and the budget are the worker's as for any tr
 from __future__ import annotations
 
 import math
-import os
 import time
 import uuid
 from typing import Any, Callable
@@ -50,8 +49,12 @@ def size(resolved: Resolved, placement: dict[str, Any], cache: Any) -> tuple[int
     free = devices.free_memory_bytes(device)
     where = f"{device}"
     if free is None:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 8 * 2**30
+        from mpsrun.plugins.builtin.images.memory import host_available
+
+        free = host_available()
         where = f"{device} (available host memory)"
+        if free is None:
+            free, where = 8 * 2**30, f"{device} (assumed: this host does not say how much memory is available)"
     n = max(1, min(MAX_GROUP, int(free * 0.5 // max(per, 1))))
     return n, (f"fuse: groups of up to {n} trials (sweep.fuse: auto; {free / 2**30:.1f} GiB free on {where}, "
                f"about {per / 2**20:.2f} MiB a member: half the free memory, at most {MAX_GROUP})")
@@ -110,14 +113,8 @@ def loop(job: Any, resolved: Resolved, index: int, tracker: Any, study: Any, mar
             said.add(f"fuse: the median pruner compares with finished trials, so the first {STARTUP} train as groups of their own")
         asked = []
         for _ in range(n):
-            t = study.ask()
-            for k, v in storage.me().items():
-                t.set_user_attr(k, v)
-            if storage.over_budget(study, t, job.target):
-                from optuna.trial import TrialState
-
-                t.set_user_attr(storage.SURPLUS, "the budget was reached by other workers")
-                study.tell(t, state=TrialState.FAIL)
+            t = storage.ask(study, job.target)
+            if t is None:  # another worker took the last place at the same moment
                 break
             start = time.perf_counter()
             try:
