@@ -111,7 +111,7 @@ def main() -> int:
     ap.add_argument("local")
     ap.add_argument("gpu", nargs="*")
     ap.add_argument("--workers", default="6,8,10,12,14,16")
-    ap.add_argument("--weights", help="write the per-test GPU estimate here (JSON, for .ci/gate_plugin.py)")
+    ap.add_argument("--weights", help="write the per-test GPU estimate and the local seconds here (JSON, for .ci/gate_plugin.py)")
     ap.add_argument("--ratio", type=float, help="GPU/local ratio for tests without a GPU measurement (default: the median)")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply the GPU-measured seconds (a what-if: a measured run's contention gone)")
     ap.add_argument("--cuda-only", type=float, default=10.0,
@@ -173,7 +173,8 @@ def main() -> int:
     if a.weights:
         with open(a.weights, "w") as f:
             json.dump({"made_by": "python .ci/gate_plan.py " + " ".join(sys.argv[1:]),
-                       "tests": {k: round(v, 1) for f_ in sorted(est) for k, v in est[f_].items()}}, f, indent=0)
+                       "gpu": {k: round(v, 1) for f_ in sorted(est) for k, v in est[f_].items()},
+                       "cpu": {k: round(v, 1) for k, v in sorted(local.items())}}, f, indent=0)
             f.write("\n")
     return 0
 

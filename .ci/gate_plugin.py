@@ -12,7 +12,9 @@ processes) and by long files handed out last. Here:
 - units go out longest first (estimated GPU seconds from .ci/gate_weights.json, which `.ci/gate_plan.py --weights`
   makes from measured report logs), so short ones fill the end instead of a long one starting last. (xdist gives a worker
   a second unit while its first runs; `.ci/gate_plan.py` found handing the shortest one left there worse: the end
-  then lacks short units to fill it.) A test that file does not know counts UNKNOWN_S.
+  then lacks short units to fill it.) A test that file does not know counts UNKNOWN_S. GATE_WEIGHTS=cpu takes
+  the seconds measured on the 2-core CPU machine instead (the CPU CI could use this order too: there the Triton
+  interpreter checks, skipped on a GPU, are among the longest tests).
 
 How: the workers collect, sort the items and write the split files to $GATE_SPLIT_FILE (the controller made it); the
 controller's scheduler (LoadFileScheduling with a test's own nodeid as the unit for a split file) reads it once every
@@ -59,7 +61,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    tests = json.loads(WEIGHTS.read_text())["tests"] if WEIGHTS.exists() else {}
+    tests = json.loads(WEIGHTS.read_text()).get(os.environ.get("GATE_WEIGHTS", "gpu"), {}) if WEIGHTS.exists() else {}
     weight = {it.nodeid: float(tests.get(it.nodeid, UNKNOWN_S)) for it in items}
     per_file: dict[str, float] = {}
     whole: set[str] = set()
