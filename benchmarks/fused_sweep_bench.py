@@ -128,13 +128,16 @@ def cpu(base: Path, trials: int, repeats: int) -> list[tuple[str, float, str]]:
     off.write_text(DIGITS.format(trials=trials, fuse="off"))
     timed(["run", str(on), "-q"], d)  # warm-up: the store, the page cache
     ones, fused, unfused = [], [], []
+    loads = [os.getloadavg()[0]]  # a shared 2-core machine: the load beside each figure
     for i in range(repeats):
         ones.append(timed(["run", str(on), "-q"], d))
         fused.append(timed(["sweep", str(on), "--study", f"on{i}", "-q"], d))
         unfused.append(timed(["sweep", str(off), "--study", f"off{i}", "-q"], d))
+        loads.append(os.getloadavg()[0])
     one, f, u = statistics.median(ones), statistics.median(fused), statistics.median(unfused)
     pairs = ", ".join(f"{a / b:.2f}x" for a, b in zip(fused, ones))
-    return [(f"one `mpsrun run` (3 epochs), median of {repeats}", one, "1.00x"),
+    load = f"load average (1 min) {min(loads):.2f}-{max(loads):.2f}"
+    return [(f"one `mpsrun run` (3 epochs), median of {repeats}; {load}", one, "1.00x"),
             (f"`mpsrun sweep`, {trials} trials, fused (auto), median of {repeats}", f, f"{f / one:.2f}x (target <= 1.5x; pairs {pairs}){checked(d)}"),
             (f"`mpsrun sweep`, {trials} trials, fuse: off, median of {repeats}", u, f"{u / one:.2f}x")]
 
