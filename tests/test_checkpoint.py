@@ -305,14 +305,21 @@ def test_an_epoch_whose_metrics_landed_without_its_checkpoint_is_not_logged_twic
     assert work.client().get_run(rid).info.status == "FINISHED"
 
 
-def test_runs_and_fused_sweeps_leave_no_checkpoint_folders_behind(work: Any) -> None:
+def test_runs_and_fused_sweeps_leave_no_checkpoint_folders_behind(work: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The local copies' folder is made with the first checkpoint and removed at the end: a run without checkpoints and a
-    fused sweep's members (each builds a checkpointer, none writes) once left an empty mpsrun-ckpt-* folder each."""
+    fused sweep's members (each builds a checkpointer, none writes) once left an empty mpsrun-ckpt-* folder each.
+
+    In-process (the checkpointer's folder is made and removed by the run, not at the process's exit): three processes'
+    start-up saved. The temporary folder is the test's, for this process and any it starts."""
+    import tempfile
+
+    monkeypatch.setenv("TMPDIR", str(work.path))
+    monkeypatch.setattr(tempfile, "tempdir", str(work.path))
     work.write("q.yaml", DIGITS + "sweep:\n  metric: val_loss\n  trials: 3\n  params:\n    optimizer.lr: {low: 0.01, high: 0.1}\n")
     for args in (("run", "q.yaml", "epochs=1", "checkpoint.every=0", "-q"), ("run", "q.yaml", "epochs=2", "-q"),
                  ("sweep", "q.yaml", "epochs=1", "-q")):
-        r = cli_proc(work, *args)
-        assert r.returncode == 0, r.stdout + r.stderr
+        r = work.cli(*args)
+        assert r.exit_code == 0, r.output
     kids = [x for x in work.runs("quick") if "mlflow.parentRunId" in x.data.tags]
     assert len(kids) == 3 and {k.data.tags.get("mpsrun.sweep.group_size") for k in kids} == {"3"}  # trained fused
     assert sorted(p.name for p in work.path.glob("mpsrun-ckpt-*")) == []
