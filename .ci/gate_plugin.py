@@ -45,11 +45,12 @@ def _file(nodeid: str) -> str:
 
 def _shares_state(item: pytest.Item) -> bool:
     """Uses a fixture of the suite's that lives longer than one test (so the file's tests belong together)."""
-    info = getattr(item, "_fixtureinfo", None)
-    for defs in (info.name2fixturedefs.values() if info else ()):
-        for d in defs:
-            if d.scope != "function" and d.baseid.startswith("tests") and d.argname not in CHEAP_SESSION_FIXTURES:
-                return True
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", None)
+    if defs is None:  # pytest's internals moved: keep the file whole (loadfile's behaviour) rather than guess
+        return True
+    for d in (d for ds in defs.values() for d in ds):
+        if d.scope != "function" and str(getattr(d, "baseid", "tests")).startswith("tests") and d.argname not in CHEAP_SESSION_FIXTURES:
+            return True
     return False
 
 
