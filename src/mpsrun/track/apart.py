@@ -3,10 +3,11 @@ the sweep's parent, through `client_calls`).
 
 A fused group trains several trials in one process at once; the worker's MLflow helper
 writes one run at a time (`store.Tracker`), so these hooks take explicit run ids and
-write through the helper's client, in batches: one call creates every member's run (its
-tags, params, recipe text and dataset inputs, the datasets built and digested once for
-the group), one call per epoch logs every member's metrics, one call ends those that ended.
-Re-exported by `track.records.hooks` (the helper looks hooks up there).
+write through the helper's client, in batches: one call creates every member's run (with
+its tags), one fills in their params, recipe texts and dataset inputs (the datasets built
+and digested once for the group), one call logs every member's metrics of the epochs since
+the last, one call ends those that ended. Re-exported by `track.records.hooks` (the helper
+looks hooks up there).
 """
 
 from __future__ import annotations
@@ -14,11 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-
-def _param_value(v: Any) -> str:
-    """As store.client writes a param (not imported from there: the store imports the hooks)."""
-    s = "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
-    return s[:6000]
+from mpsrun.track.records.names import param_value
 
 
 def runs_begin(t: Any, specs: list[dict[str, Any]], data: tuple | None = None, fill: bool = True) -> list[str]:
@@ -61,7 +58,7 @@ def _fill(t: Any, ids: list[str], specs: list[dict[str, Any]], data: tuple | Non
             inputs = []
     for rid, s in zip(ids, specs):
         try:
-            params = [Param(k, _param_value(v)) for k, v in sorted(s.get("params", {}).items())]
+            params = [Param(k, param_value(v)) for k, v in sorted(s.get("params", {}).items())]
             for i in range(0, len(params), 100):
                 t.c.log_batch(rid, params=params[i : i + 100])
             for name, text in s.get("texts", {}).items():

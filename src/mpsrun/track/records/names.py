@@ -50,3 +50,10 @@ def from_mlflow(metrics: Mapping[str, float]) -> dict[str, float]:
         if k.startswith("val_"):
             out.setdefault(FINAL + k, v)
     return out
+
+
+def param_value(v: object) -> str:
+    """A param's value as mpsrun writes it to MLflow: None as `null`, booleans as YAML writes them, cut to MLflow's
+    6000 characters (the store's runs and a fused sweep's member runs, track/apart.py, alike)."""
+    s = "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+    return s[:6000]

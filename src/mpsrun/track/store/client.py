@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mpsrun.track.records.names import param_value
 from mpsrun.track.store.lock import store_lock
 from mpsrun.track.store.spool import Outbox
 
@@ -240,7 +241,7 @@ class Tracker:
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        items = [Param(k, _param_value(v)) for k, v in sorted(params.items())]
+        items = [Param(k, param_value(v)) for k, v in sorted(params.items())]
         for chunk in _chunks(items, 100):
             self.outbox.send(lambda chunk=chunk: self.c.log_batch(self.run_id, params=chunk), lambda sp, chunk=chunk: sp.batch(params=chunk))
 
@@ -280,8 +281,3 @@ class Tracker:
             p = Path(d) / name
             torch.save({k: v.detach().cpu() for k, v in state.items()}, p)
             self.log_file(p)
-
-
-def _param_value(v: Any) -> str:
-    s = "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
-    return s[:6000]
