@@ -76,18 +76,24 @@ def test_a_graphed_group_trains_as_the_eager_group_on_cuda(tmp_path: Path) -> No
     assert _close(ga, ea) <= 1e-5
 
 
-@CUDA
-def test_graphed_members_follow_their_solo_runs_on_cuda(tmp_path: Path) -> None:
+def _against_solo(mems: list, recs: list) -> list[tuple[float, float]]:
+    """(solo, fused) val_loss per epoch: each member's recipe trained alone by `mpsrun run`'s engine."""
     from mpsrun.train import runner
     from mpsrun.train.loop.engine import Listener, train
 
-    mems, _, _ = _train(tmp_path, "sgd", SGD[:2], True, "gs")
-    _, recs = _members(tmp_path, "sgd", SGD[:2], "cuda", "solo")
     pairs = []
     for m, r in zip(mems, recs):
         s = runner.prepare(r)
         res = train(s.model, s.optimizer, s.plan, s.choice.device, r.recipe.epochs, s.options, Listener(), objective=s.objective)
         pairs += [(em.val_loss, m.history[e]["val_loss"]) for e, em in enumerate(res.epochs)]
+    return pairs
+
+
+@CUDA
+def test_graphed_members_follow_their_solo_runs_on_cuda(tmp_path: Path) -> None:
+    mems, _, _ = _train(tmp_path, "sgd", SGD[:2], True, "gs")
+    _, recs = _members(tmp_path, "sgd", SGD[:2], "cuda", "solo")
+    pairs = _against_solo(mems, recs)
     assert _worst(pairs) <= 1e-3, pairs
 
 
@@ -99,9 +105,6 @@ def test_graphed_cnn_members_packed_channels_last_follow_their_solo_runs_on_cuda
     from mpsrun.sweep.fused import graphed, members
 
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    from mpsrun.train import runner
-    from mpsrun.train.loop.engine import Listener, train
-
     mems, recs = _members(tmp_path, "sgd", SGD[:2], "cuda", "cnn", CNN_BASE)
     b = members.build(mems, {})
     said: list[str] = []
@@ -109,11 +112,7 @@ def test_graphed_cnn_members_packed_channels_last_follow_their_solo_runs_on_cuda
     assert isinstance(g, graphed.GraphedGroup) and b.stacked.pack and b.stacked.channels_last
     g.run(lambda m, e, metrics: None)
     assert g.eager is None and not said, said
-    pairs = []
-    for m, r in zip(mems, recs):
-        s = runner.prepare(r)
-        res = train(s.model, s.optimizer, s.plan, s.choice.device, r.recipe.epochs, s.options, Listener(), objective=s.objective)
-        pairs += [(em.val_loss, m.history[e]["val_loss"]) for e, em in enumerate(res.epochs)]
+    pairs = _against_solo(mems, recs)
     assert _worst(pairs) <= 1e-2, pairs
 
 
