@@ -16,6 +16,7 @@ its run: said on screen and in the members' notes, never silent.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Callable
 
 import torch
@@ -23,7 +24,7 @@ import torch
 from mpsrun.sweep.fused.engine import Group
 from mpsrun.sweep.fused.members import Built
 
-GRAPH_STEPS = 16  # steps per replay, as the solo engine's graphs (train/loop/steps.py)
+GRAPH_STEPS = 16  # steps per replay for one member, as the solo engine's graphs (train/loop/steps.py); fewer for more
 WARMUP = 2  # eager steps on a side stream before a capture: lazy state (optimizer, cuBLAS handles) exists first
 
 
@@ -45,6 +46,15 @@ def group_for(b: Built, say: Callable[[str], None]) -> tuple[Group, str]:
         torch.backends.cudnn.benchmark = r.cudnn_benchmark is not False  # as a solo conv run resolves `auto` on CUDA
         b.stacked.pack = True  # convolution stages packed by member, channels_last as a solo conv run on CUDA has it
         b.stacked.channels_last = r.channels_last is not False
+        if on:
+            from mpsrun.sweep.fused.layers import FastPools
+
+            why = FastPools.why_not(b.stacked.layers, b.device, b.stacked.channels_last)
+            if why is None:
+                b.stacked.pools = FastPools(b.stacked.layers, say)
+                note += "; max-pools as the solo engine's Triton kernels (checked against torch's at each shape)"
+            elif why not in ("no max-pool", "not a CUDA channels_last group"):
+                note += f"; pools: torch's max-pool kernels, not the fused ones ({why})"
     b.graphs = on  # type: ignore[attr-defined] - the members' resolved.graphs parameter (record.begin)
     return (GraphedGroup(b, say) if on else Group(b)), note
 
@@ -56,19 +66,20 @@ class GraphedGroup(Group):
         self.graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: Any = None
         self.eager: str | None = None  # why the group fell back to eager (None: graphs)
-        self.layout: tuple | None = None  # the streams the graphs were captured for
-        self.which: torch.Tensor | None = None
+        # the streams the graphs were captured for: (the members' (source, seed) keys, pairs, which) — the same
+        # tensors while the members stay (graphs hold them)
+        self.layout: tuple[tuple, list[tuple[int, int]], torch.Tensor | None] | None = None
         self.val_sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.dropout = any(p and max(p) > 0 for p in b.stacked.p_drop)
+        self.capture_s = 0.0  # warm-up steps and captures, all graphs (MPSRUN_SWEEP_TRACE's group line)
 
     # -- streams: the same tensors while the members stay (graphs hold them)
     def _streams(self) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
         key = tuple((m.source, m.seed) for m in self.active)
-        if key != self.layout:
+        if self.layout is None or key != self.layout[0]:
             self._drop()
-            pairs, self.which = super()._streams()
-            self.layout, self.pairs = key, pairs
-        return self.pairs, self.which
+            self.layout = (key, *super()._streams())
+        return self.layout[1], self.layout[2]
 
     def _drop(self) -> None:
         self.graphs.clear()
@@ -116,9 +127,13 @@ class GraphedGroup(Group):
 
     # -- the replays
     def _groups(self, n: int) -> list[tuple[int, int]]:
+        """(steps per replay, batch size) for an epoch of n rows. Why fewer steps per graph for more members: a
+        replay of one M-member step is already M steps' work (launches no longer count), and each graph's
+        capture records its steps one by one, on the clock of the sweep's first epoch."""
         bs = self.b.batch_size
         full = n // bs
-        return [(GRAPH_STEPS, bs)] * (full // GRAPH_STEPS) + [(1, bs)] * (full % GRAPH_STEPS) + ([(1, n % bs)] if n % bs else [])
+        k = max(1, GRAPH_STEPS // max(1, len(self.active)))
+        return [(k, bs)] * (full // k) + [(1, bs)] * (full % k) + ([(1, n % bs)] if n % bs else [])
 
     def _replay(self, kind: str, pairs: list[tuple[int, int]], which: torch.Tensor | None, order: torch.Tensor, n: int) -> None:
         i = 0
@@ -141,6 +156,7 @@ class GraphedGroup(Group):
         key = (kind, k, bs)
         if key in self.graphs:
             return self.graphs[key]
+        t0 = time.perf_counter()
         dev = self.b.device
         idx = torch.zeros(k, len(pairs), bs, dtype=torch.long, device=dev)  # row 0 for the warm-up: any valid row
         snap = self._snapshot()
@@ -168,6 +184,7 @@ class GraphedGroup(Group):
             raise _CaptureFailed(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from e
         self._restore(snap)  # the warm-up's steps taught nothing; the captured ones did not run
         self.graphs[key] = (g, idx)
+        self.capture_s += time.perf_counter() - t0
         return self.graphs[key]
 
     # -- what a warm-up changes, undone in place (the graphs keep pointers to these very tensors)
