@@ -16,6 +16,7 @@ An owner that is gone (kill -9, a lost machine) is taken over, said on screen an
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,27 @@ PROGRESS = "mpsrun.sweep.progress"  # "done/target", refreshed after each trial
 COUNTED, WHY = "mpsrun.sweep.counted", "mpsrun.sweep.why"  # on a lost trial's run: "false", and why it was lost
 
 
+PROGRESS_EVERY_S = 1.0  # the parent's progress tag, through a worker's helper, at most this often
+
+
+class Pace:
+    """A rate limit for posts to the MLflow helper: `due()` is true at most once every `every_s` seconds.
+
+    `at_once`: the first call is due (else the first `every_s` after creation is not). Used for the parent's
+    progress tag (here) and a fused group's epoch metrics (fused/record.py)."""
+
+    def __init__(self, every_s: float, at_once: bool = False) -> None:
+        self.every_s = every_s
+        self.last = float("-inf") if at_once else time.monotonic()
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            return False
+        self.last = now
+        return True
+
+
 class Via:
     """MLflow's client for the parent, its calls made in worker 0's MLflow helper process (track/apart.client_calls).
 
@@ -44,7 +66,7 @@ class Via:
 
     def __init__(self, tracker: Any) -> None:
         self.tracker = tracker
-        self.last_progress = 0.0  # when `progress` last posted (time.monotonic)
+        self.progress_pace = Pace(PROGRESS_EVERY_S, at_once=True)  # when `progress` next posts
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -272,16 +294,12 @@ def notes(tracking_uri: str | None, run_id: str, said: list[str], c: Any = None)
         pass
 
 
-def progress(tracking_uri: str | None, run_id: str, done: int, target: int, c: Any = None, every_s: float = 1.0) -> None:
-    """The parent's `mpsrun.sweep.progress` ("done/target"). Through a Via at most every `every_s` seconds: a fused
+def progress(tracking_uri: str | None, run_id: str, done: int, target: int, c: Any = None) -> None:
+    """The parent's `mpsrun.sweep.progress` ("done/target"). Through a Via at most every PROGRESS_EVERY_S: a fused
     group's members end together (16 tags written one after another, behind their runs' records, for one that
     counts); the results' publish writes the last one."""
-    if isinstance(c, Via):
-        import time
-
-        if time.monotonic() - c.last_progress < every_s:
-            return
-        c.last_progress = time.monotonic()
+    if isinstance(c, Via) and not c.progress_pace.due():
+        return
     try:
         _set_tag(client_for(tracking_uri, c), run_id, PROGRESS, f"{done}/{target}")
     except Exception:  # noqa: BLE001

@@ -12,33 +12,18 @@ as interrupted.
 from __future__ import annotations
 
 import sys
-import time
 import types
 from typing import Any
 
 from mpsrun.sweep.fused.members import Built, Member
+from mpsrun.sweep.parent import Pace  # noqa: F401 - the group's epoch metrics' rate limit (work.py), the sweep's one
 
 GROUP, GROUP_SIZE, FUSED = "mpsrun.sweep.group", "mpsrun.sweep.group_size", "mpsrun.sweep.fused"
-EVERY_S = 1.0  # the members' epoch metrics posted at most this often (a run's own: every 5 s, store.Tracker's interval)
-
-
-class Pace:
-    """When a group's epoch metrics are next posted (`due`): EVERY_S after the last post, or when a member ends.
-
-    Why: each post writes one batch to every member's run, a few SQLite commits each; 16 digits members'
-    epochs of 0.25 s each took the helper 0.7-1.3 s to write on 2 cores (the sweep's end waited for them).
-    Epochs longer than EVERY_S are posted one by one, as before. A signal posts what is left (stop.abandon).
-    """
-
-    def __init__(self, every_s: float = EVERY_S) -> None:
-        self.every_s, self.last = every_s, time.monotonic()
-
-    def due(self) -> bool:
-        now = time.monotonic()
-        if now - self.last < self.every_s:
-            return False
-        self.last = now
-        return True
+# The members' epoch metrics posted at most this often (a run's own: every 5 s, store.Tracker's interval), or when a
+# member ends (work.py, with a Pace). Why: each post writes one batch to every member's run, a few SQLite commits
+# each; 16 digits members' epochs of 0.25 s each took the helper 0.7-1.3 s to write on 2 cores (the sweep's end
+# waited for them). Epochs longer than EVERY_S are posted one by one. A signal posts what is left (stop.abandon).
+EVERY_S = 1.0
 
 
 def _hook(tracker: Any, name: str, *args: Any) -> Any:
