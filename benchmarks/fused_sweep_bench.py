@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sweep_bench import failed_trials, folder, machine, timed  # noqa: E402
+from sweep_bench import PHASES, TRACES, breakdown, failed_trials, folder, machine, timed  # noqa: E402
 
 DIGITS = """\
 device: cpu
@@ -142,7 +142,17 @@ def cpu(base: Path, trials: int, repeats: int) -> list[tuple[str, float, str]]:
             (f"`mpsrun sweep`, {trials} trials, fuse: off, median of {repeats}", u, f"{u / one:.2f}x")]
 
 
-def gpu(base: Path, device: str, tiny: bool, cnn_epochs: int = 5, cnn_train: int = 50000) -> list[tuple[str, float, str]]:
+def gpu(base: Path, device: str, tiny: bool, cnn_epochs: int = 5, cnn_train: int = 50000,
+        parts: tuple[str, ...] = ("fashion", "cnn")) -> list[tuple[str, float, str]]:
+    rows: list[tuple[str, float, str]] = []
+    if "fashion" in parts:
+        rows += _fashion(base, device, tiny)
+    if "cnn" in parts:
+        rows += _cnn(base, device, tiny, cnn_epochs, cnn_train)
+    return rows
+
+
+def _fashion(base: Path, device: str, tiny: bool) -> list[tuple[str, float, str]]:
     from mpsrun.testing.idx import write_idx_dataset
 
     data = base / "data"
@@ -157,12 +167,17 @@ def gpu(base: Path, device: str, tiny: bool, cnn_epochs: int = 5, cnn_train: int
     rows += [(f"fashion: one `mpsrun run` ({epochs} epochs)", one, "1.00x"),
              (f"fashion: `mpsrun sweep`, {trials} trials, fused", sweep, f"{sweep / one:.2f}x (target <= 3x){checked(d)}")]
     _say(rows[-2:])
+    return rows
+
+
+def _cnn(base: Path, device: str, tiny: bool, cnn_epochs: int, cnn_train: int) -> list[tuple[str, float, str]]:
+    rows: list[tuple[str, float, str]] = []
     ct, cepochs, train, val = (4, 1, 512, 128) if tiny else (16, cnn_epochs, cnn_train, cnn_train // 5)
     d2, con = folder(base, "cnn", CNN.format(device=device, epochs=cepochs, train=train, val=val, trials=ct, fuse="auto"))
     coff = d2 / "off.yaml"
     coff.write_text(CNN.format(device=device, epochs=cepochs, train=train, val=val, trials=ct, fuse="off"))
     timed(["run", str(con), "-q"], d2)
-    w_off = timed(["sweep", str(coff), "--study", "off", "-q"], d2)
+    w_off = timed(["sweep", str(coff), "--study", "off", "-q"], d2, "cnn fuse: off")
     w_on = timed(["sweep", str(con), "--study", "on", "-q"], d2, "cnn fused")
     rows += [(f"cnn 32x32: `mpsrun sweep`, {ct} trials, fuse: off, 1 worker ({ct / w_off:.3f} trials/s)", w_off, "1.00x"),
              (f"cnn 32x32: `mpsrun sweep`, {ct} trials, fused ({ct / w_on:.3f} trials/s)", w_on,
@@ -281,11 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="cpu: interleaved (run, fused sweep, unfused sweep) triples; medians")
     ap.add_argument("--tiny", action="store_true", help="every part small: checks the script (the GPU parts too, with --gpu-parts) on a CPU")
     ap.add_argument("--gpu-parts", action="store_true", help="with --device cpu: run the cuda parts (a, b, c) on the CPU")
-    ap.add_argument("--sizes", default="1,4,16,64,256", help="the curve's group sizes")
+    ap.add_argument("--sizes", default="1,4,16,64,256", help="the curve's group sizes (empty: no fashion curve)")
     ap.add_argument("--curve-epochs", type=int, default=3, help="timed epochs per size of the curve (after a warm-up epoch)")
     ap.add_argument("--cnn-epochs", type=int, default=5, help="cuda (b): epochs of each CNN trial")
     ap.add_argument("--cnn-train", type=int, default=50000, help="cuda (b): training images of the CNN's synthetic data")
     ap.add_argument("--cnn-sizes", default="", help="cuda: also the curve of fused CNN groups of these sizes (e.g. 1,4,16,64)")
+    ap.add_argument("--parts", default="fashion,cnn", help="cuda: which sweeps run (fashion (a), cnn (b))")
     ap.add_argument("--no-sweeps", action="store_true", help="cuda: the curves only (not the sweeps (a) and (b))")
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for the profile tables and this output (default $OUT)")
     a = ap.parse_args(argv)
@@ -299,20 +315,26 @@ def main(argv: list[str] | None = None) -> int:
         if a.device == "cpu" and not a.gpu_parts:
             rows = cpu(base, 4 if a.tiny else a.trials, 1 if a.tiny else a.repeats)
         else:
-            sizes = [1, 4] if a.tiny else [int(s) for s in a.sizes.split(",")]
+            sizes = [int(s) for s in a.sizes.split(",") if s] if not a.tiny else [1, 4]
             if not a.no_sweeps:
-                rows = gpu(base, a.device, a.tiny, a.cnn_epochs, a.cnn_train)
-            else:
+                rows = gpu(base, a.device, a.tiny, a.cnn_epochs, a.cnn_train, tuple(a.parts.split(",")))
+            if sizes and not (base / "data").exists():
                 from mpsrun.testing.idx import write_idx_dataset
 
                 write_idx_dataset(base / "data", "FashionMNIST", n_train=2000 if a.tiny else 60000, n_test=500 if a.tiny else 10000, seed=0)
-            lines = curve(base, a.device, sizes, 1 if a.tiny else a.curve_epochs, a.tiny, out)
+            lines = curve(base, a.device, sizes, 1 if a.tiny else a.curve_epochs, a.tiny, out) if sizes else []
             if a.cnn_sizes:
                 cnn_sizes = [1, 4] if a.tiny else [int(x) for x in a.cnn_sizes.split(",")]
                 lines += [""] + curve(base, a.device, cnn_sizes, 1 if a.tiny else a.curve_epochs, a.tiny, out, "cnn", a.cnn_train)
     text = [f"\nmachine: {machine(a.device)}", f"command: python benchmarks/fused_sweep_bench.py {' '.join(sys.argv[1:] if argv is None else argv)}", "",
             "| what | wall (s) | vs baseline |", "| --- | ---: | ---: |"]
     text += [f"| {w} | {s:.1f} | {r} |" for w, s, r in rows]
+    if TRACES:  # where each sweep's time went (MPSRUN_SWEEP_TRACE): the fused group's phases are one line for all members
+        text += ["", "| sweep (mean seconds per trial; a fused group's line is the whole group's) | " + " | ".join(PHASES) + " |",
+                 "| --- |" + " ---: |" * len(PHASES)]
+        for label, out_text in TRACES.items():
+            text += breakdown(label, out_text)
+            text += [f"    {ln}" for ln in out_text.splitlines() if ln.startswith(("sweep-trace-group", "sweep-trace-total"))]
     if lines:
         text += ["", "Fused groups of fashion members, the engine alone (trial-epochs per second):", ""] + lines
     print("\n".join(text))

@@ -67,9 +67,11 @@ class Totals:
             self.s[k] = self.s.get(k, 0.0) + v
         emit(p.line(self.worker, number))
 
-    def emit(self, ready_s: float) -> None:
+    def emit(self, ready_s: float, start: dict[str, float] | None = None) -> None:
+        """`ready`: the worker module's import to its first ask; `start_*`: its laps (imports, data, warm, study)."""
         parts = " ".join(f"{k}={v:.3f}" for k, v in self.s.items())
-        emit(f"sweep-trace-total worker={self.worker} trials={self.trials} ready={ready_s:.3f} {parts} "
+        laps = "".join(f" start_{k}={v:.3f}" for k, v in (start or {}).items())
+        emit(f"sweep-trace-total worker={self.worker} trials={self.trials} ready={ready_s:.3f}{laps} {parts} "
              f"loop={time.perf_counter() - self.t0:.3f} at={time.time():.3f}")
 
 

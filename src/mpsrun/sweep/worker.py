@@ -181,6 +181,7 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
     from mpsrun.sweep import parent, trace
     from mpsrun.sweep import trial as trial_mod  # torch: imported here, once per worker
 
+    start = {"imports": time.perf_counter() - _T0}  # the worker's start, lap by lap (MPSRUN_SWEEP_TRACE's total line)
     canary.REUSE_OPS = True  # the fixed operations checked once per device in this worker; each trial's model still is
     share_cores(job.workers)
     placement = {**trial_defaults(resolved), **device_for(resolved, index, job.workers)}
@@ -190,14 +191,17 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
         cache.get(trial_recipe(resolved, placement))  # the data every trial of this recipe's dataset section uses
     except Exception:  # noqa: BLE001 - the first trial meets it again and says why (bad input: exit 2)
         pass
+    start["data"] = time.perf_counter() - _T0 - sum(start.values())
     if warm is not None:
         warm.join(60)  # the first trial would wait for the same import
+    start["warm"] = time.perf_counter() - _T0 - sum(start.values())
     if late is not None:
         whole = late()
         if whole is None:
             return Tally()  # the command ended (bad input, a signal) before it had a study and a parent run
         job = whole
     study = load_study(job, resolved, index, marker.lost)
+    start["study"] = time.perf_counter() - _T0 - sum(start.values())
     if ready is not None:
         ready()
     if late is not None:
@@ -217,7 +221,7 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
     finally:
         canary.REUSE_OPS = False
         if totals is not None:
-            totals.emit(ready_s)
+            totals.emit(ready_s, start)
         # On the parent, once: what an extra worker's fusing did and did not do (worker 0's, when it ends, the launching
         # command shows and writes in the parent's notes: drive.run), or worker 0's when it was stopped
         if (index > 0 or not ended) and tally.said is not None and tally.said.all():

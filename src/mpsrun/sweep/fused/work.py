@@ -206,7 +206,7 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
                 return "PRUNED", f"pruned by Optuna's {sweep.pruner} pruner after epoch {e + 1} ({sweep.metric} {m.value:.6g})"
             return None
 
-        pace = record.Pace()
+        pace = record.Pace(record.EVERY_S)
 
         def post_rows() -> None:  # the epochs not yet posted, in one call (one batch per member's run)
             record.epoch(tracker, rows)
@@ -214,7 +214,10 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
                 posted[m.number] = ep + 1
             rows.clear()
 
+        epoch_s: list[float] = []  # each epoch's seconds (the trace's group line: the first holds the captures)
+
         def listen(e: int, seconds: float) -> None:
+            epoch_s.append(seconds)
             with stop.held():  # the epochs posted whole, and the members that ended told, before a signal stops the group
                 if ended or pace.due():
                     post_rows()
@@ -240,7 +243,8 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
             _end(list(g.active), tracker, notes, finish, starts, trial_mod, told)
         if lap is not None:
             lap.lap("close")
-            trace.emit(lap.line(index, -len(mems)).replace("sweep-trace ", "sweep-trace-group ", 1))
+            trace.emit(lap.line(index, -len(mems)).replace("sweep-trace ", "sweep-trace-group ", 1)
+                       + " epochs=" + ",".join(f"{x:.2f}" for x in epoch_s) + f" capture={getattr(g, 'capture_s', 0.0):.3f}")
     except KeyboardInterrupt as e:
         stop.abandon(study, tracker, [m for m in mems if m.number not in told], posted, notes, f"interrupted ({getattr(e, 'name', 'SIGINT')})")
         raise
