@@ -233,7 +233,7 @@ def test_a_batch_norm_mismatch_gives_up_the_batch_norm_kernels_first_capture_sim
         def __init__(self) -> None:
             self.notes: list[str] = []
 
-        def on_note(self, message: str) -> None:
+        def on_note(self, message: str, warn: bool = True) -> None:
             self.notes.append(message)
 
     class Stand:  # what _capture_or_eager reads of a GraphTrainer

@@ -144,7 +144,7 @@ def test_a_capture_that_fails_with_the_kernels_is_retried_without_them_and_said_
         def __init__(self) -> None:
             self.notes: list[str] = []
 
-        def on_note(self, message: str) -> None:
+        def on_note(self, message: str, warn: bool = True) -> None:
             self.notes.append(message)
 
     class Stand:  # what _capture_or_eager reads of a GraphTrainer

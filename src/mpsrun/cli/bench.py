@@ -59,8 +59,8 @@ def bench(
         raise bad_input(str(e)) from None
 
     class Notes(Listener):
-        def on_note(self, message: str) -> None:
-            console.print(f"      [yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
+        def on_note(self, message: str, warn: bool = True) -> None:
+            console.print(f"      [yellow]warning:[/] {message}" if warn else f"      note: {message}", highlight=False, soft_wrap=True)
 
     class Printer(benchmod.BenchListener):
         def on_cell_start(self, n, total, cell, repeat):  # type: ignore[no-untyped-def]

@@ -48,8 +48,9 @@ class QuietProgress(Listener):
     def on_epoch_end(self, m: EpochMetrics) -> None:
         self.console.print(epoch_line(m, self.epochs), highlight=False)
 
-    def on_note(self, message: str) -> None:
-        self.console.print(f"[yellow]warning:[/] {message}")
+    def on_note(self, message: str, warn: bool = True) -> None:
+        """`warn`: a fallback or a skipped optimisation (said as a warning); else how the run was set up (a note)."""
+        self.console.print(f"[yellow]warning:[/] {message}" if warn else f"note: {message}")
 
 
 class BarProgress(QuietProgress):

@@ -37,8 +37,8 @@ class ShownAfterRecord(Listener):
     def on_epoch_end(self, m: EpochMetrics) -> None:
         self.held = m
 
-    def on_note(self, message: str) -> None:
-        self.screen.on_note(message)
+    def on_note(self, message: str, warn: bool = True) -> None:
+        self.screen.on_note(message, warn)
 
     # -- as the last callback: the epoch is recorded (metrics handed over, checkpoint queued)
     def on_epoch_end_recorded(self) -> None:

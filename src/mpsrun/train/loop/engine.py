@@ -57,7 +57,7 @@ def train(
     if plan.pending is not None:  # resident_max_gb: auto on CUDA: a measured step decides where the data lives
         note = plan.settle(lambda x, y: _measured_step(trainer, x, y), GRAPH_STEPS if isinstance(trainer, GraphTrainer) else 0)
         options.notes.append(note)
-        listener.on_note(note)
+        listener.on_note(note, warn=not plan.resident)  # data on the device as asked: a note; on the host: a warning
         getattr(state.log, "set_tags", lambda tags: None)({"data.path": plan.path, "data.path_reason": plan.reason})
     if trainer.scaler is not None:  # fp16: checkpoints carry the grad scaler; a restored one is used
         trainer.scaler = state.extras.setdefault("scaler", trainer.scaler)

@@ -84,7 +84,7 @@ class Listener:
     def on_step(self, epoch: int, step: int, samples: int, loss: float | None) -> None: ...
     def on_validate(self, epoch: int) -> None: ...
     def on_epoch_end(self, m: EpochMetrics) -> None: ...
-    def on_note(self, message: str) -> None: ...
+    def on_note(self, message: str, warn: bool = True) -> None: ...
 
 
 class Listeners(Listener):
@@ -109,6 +109,6 @@ class Listeners(Listener):
         for i in self.items:
             i.on_epoch_end(m)
 
-    def on_note(self, message: str) -> None:
+    def on_note(self, message: str, warn: bool = True) -> None:
         for i in self.items:
-            i.on_note(message)
+            i.on_note(message, warn)
