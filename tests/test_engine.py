@@ -169,6 +169,27 @@ def test_cuda_graphs_match_eager_exactly(optimizer: str) -> None:
         assert g.val_accuracy == pytest.approx(e.val_accuracy, abs=2e-3)
 
 
+@cuda
+def test_a_capture_that_breaks_leaves_an_eager_run_that_draws_dropout_simulated() -> None:
+    """A host read inside the step (simulated: a sync in the model's forward while capturing) breaks every capture:
+    the run says so and trains eager, its dropout drawing from the default generator the broken captures had marked
+    as capturing ("Offset increment outside graph capture encountered unexpectedly" before devices/graph_rng.py)."""
+    s = _setup("device=cuda", "epochs=2", "model.dropout=0.3", "graphs=true")
+    forward = s.model.forward
+
+    def reading(x: torch.Tensor) -> torch.Tensor:
+        y = forward(x)
+        if torch.cuda.is_current_stream_capturing():
+            float(y.sum())  # a host read: illegal while capturing
+        return y
+
+    s.model.forward = reading  # type: ignore[method-assign]
+    res = _train(s)
+    assert not s.options.graphs and any("graph capture failed" in n for n in s.options.notes), s.options.notes
+    assert len(res.epochs) == 2 and all(0 < e.train_loss < 3 for e in res.epochs)
+    torch.nn.functional.dropout(torch.ones(64, device="cuda"), 0.5)  # and after the run, outside any graph
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (run on the 2-GPU machine)")
 def test_second_gpu_trains_with_graphs_and_fused_kernels() -> None:
     """`device=cuda:1`: Triton's kernels and the graphs' capture go to the current device, so the run makes cuda:1

@@ -180,6 +180,9 @@ class GraphedGroup(Group):
         except Exception as e:  # noqa: BLE001 - any capture failure: eager from here on, said (not a failed trial)
             with contextlib.suppress(Exception):  # a capture that broke may leave an error to collect
                 torch.cuda.synchronize(dev)
+            from mpsrun.devices import graph_rng
+
+            graph_rng.unstick(dev, self.b.stacked.generators or [])  # the fallback drops every graph (_fall_back)
             self._restore(snap)
             raise _CaptureFailed(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from e
         self._restore(snap)  # the warm-up's steps taught nothing; the captured ones did not run
