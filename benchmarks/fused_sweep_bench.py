@@ -193,7 +193,7 @@ def _say(rows: list[tuple[str, float, str]]) -> None:
 
 
 def curve(base: Path, device: str, sizes: list[int], epochs: int, tiny: bool, out: Path | None, model: str = "fashion",
-          cnn_train: int = 50000) -> list[str]:
+          cnn_train: int = 50000, seeds: int = 4) -> list[str]:
     """Trial-epochs per second of fused groups of each size, the engine alone (no MLflow, no Optuna), as a sweep
     trains them (graphed on CUDA); for the largest group, one eager epoch profiled: the kernels' own times."""
     import torch
@@ -227,7 +227,7 @@ def curve(base: Path, device: str, sizes: list[int], epochs: int, tiny: bool, ou
     lines.append(f"| solo (`mpsrun run`'s engine, its own options) | {epochs} | {solo:.2f} | {epochs / solo:.2f} | - | {_options(resolved)} |")
     print(lines[-1], flush=True)
     for m in sizes:
-        values = [{"optimizer.lr": 0.001 + 0.0001 * i, "seed": i % 4} for i in range(m)]
+        values = [{"optimizer.lr": 0.001 + 0.0001 * i, "seed": i % seeds} for i in range(m)]  # seeds: data streams
         mems = [members.Member(T(i), v, trial_recipe(resolved, {**v, **place}), {}) for i, v in enumerate(values)]
         try:
             b = members.build(mems, cache)
@@ -262,7 +262,10 @@ def curve(base: Path, device: str, sizes: list[int], epochs: int, tiny: bool, ou
                 eager.run(lambda mem, e, metrics: None)
             key = "cuda_time_total" if b.device.type == "cuda" else "cpu_time_total"
             name = f"profile_{model}_{m}_members_eager_epoch.txt"
-            (out / name).write_text(prof.key_averages().table(sort_by=key, row_limit=30))
+            table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=90)
+            if b.device.type == "cuda":  # the kernels themselves, by their own time
+                table += "\n\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
+            (out / name).write_text(table)
             lines.append(f"|  | one eager epoch of the {m}-member group profiled (kernel times): {out / name} | | | | |")
         if threads:
             torch.set_num_threads(threads)
@@ -302,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cnn-train", type=int, default=50000, help="cuda (b): training images of the CNN's synthetic data")
     ap.add_argument("--cnn-sizes", default="", help="cuda: also the curve of fused CNN groups of these sizes (e.g. 1,4,16,64)")
     ap.add_argument("--parts", default="fashion,cnn", help="cuda: which sweeps run (fashion (a), cnn (b))")
+    ap.add_argument("--curve-seeds", type=int, default=4, help="the curve's members' distinct seeds (1: one batch shared by all)")
     ap.add_argument("--no-sweeps", action="store_true", help="cuda: the curves only (not the sweeps (a) and (b))")
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for the profile tables and this output (default $OUT)")
     a = ap.parse_args(argv)
@@ -322,10 +326,10 @@ def main(argv: list[str] | None = None) -> int:
                 from mpsrun.testing.idx import write_idx_dataset
 
                 write_idx_dataset(base / "data", "FashionMNIST", n_train=2000 if a.tiny else 60000, n_test=500 if a.tiny else 10000, seed=0)
-            lines = curve(base, a.device, sizes, 1 if a.tiny else a.curve_epochs, a.tiny, out) if sizes else []
+            lines = curve(base, a.device, sizes, 1 if a.tiny else a.curve_epochs, a.tiny, out, seeds=a.curve_seeds) if sizes else []
             if a.cnn_sizes:
                 cnn_sizes = [1, 4] if a.tiny else [int(x) for x in a.cnn_sizes.split(",")]
-                lines += [""] + curve(base, a.device, cnn_sizes, 1 if a.tiny else a.curve_epochs, a.tiny, out, "cnn", a.cnn_train)
+                lines += [""] + curve(base, a.device, cnn_sizes, 1 if a.tiny else a.curve_epochs, a.tiny, out, "cnn", a.cnn_train, a.curve_seeds)
     text = [f"\nmachine: {machine(a.device)}", f"command: python benchmarks/fused_sweep_bench.py {' '.join(sys.argv[1:] if argv is None else argv)}", "",
             "| what | wall (s) | vs baseline |", "| --- | ---: | ---: |"]
     text += [f"| {w} | {s:.1f} | {r} |" for w, s, r in rows]
