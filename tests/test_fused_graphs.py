@@ -188,10 +188,10 @@ def test_packed_convolution_stages_compute_what_the_member_by_member_layout_does
     a member at a time)."""
     from torch import nn
 
-    from mpsrun.sweep.fused import layers
+    from mpsrun.sweep.fused import layers, packed
 
-    monkeypatch.setattr(layers, "WGRAD_CHUNK_BYTES", chunk)
-    monkeypatch.setattr(layers, "WGRAD_ROWS", 64)  # the first layer's 384 rows summed in 6 slices, the later ones' 96 in one
+    monkeypatch.setattr(packed, "WGRAD_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(packed, "WGRAD_ROWS", 64)  # the first layer's 384 rows summed in 6 slices, the later ones' 96 in one
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # CUDA: fp32 convolutions, so 1e-4 can tell a wrong layout
 
     def model(seed: int) -> nn.Module:
@@ -209,7 +209,7 @@ def test_packed_convolution_stages_compute_what_the_member_by_member_layout_does
         st.pack, st.channels_last = pack, channels_last
         said: list[str] = []
         if pack and device == "cuda":  # the graphed group's max-pool kernels (used eagerly here)
-            st.pools = layers.FastPools(st.layers, said.append)
+            st.pools = packed.FastPools(st.layers, said.append)
         if pack:
             assert [type(st.layers[i]).__name__ for i in st.order()[1:4]] == ["BatchNorm2d", "MaxPool2d", "ReLU"]
         out = st(x)

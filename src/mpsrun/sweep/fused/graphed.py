@@ -47,7 +47,7 @@ def group_for(b: Built, say: Callable[[str], None]) -> tuple[Group, str]:
         b.stacked.pack = True  # convolution stages packed by member, channels_last as a solo conv run on CUDA has it
         b.stacked.channels_last = r.channels_last is not False
         if on:
-            from mpsrun.sweep.fused.layers import FastPools
+            from mpsrun.sweep.fused.packed import FastPools
 
             why = FastPools.why_not(b.stacked.layers, b.device, b.stacked.channels_last)
             if why is None:
