@@ -10,6 +10,7 @@ it: a member that ends leaves the group at once (every stacked tensor narrowed t
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Callable
@@ -121,15 +122,23 @@ class Group:
             x, y = self._batch(*self._gather(pairs, perm[:, i : i + bs], 0), which)
             self._train_step(x, y)
 
+    def amp(self) -> contextlib.AbstractContextManager:
+        """precision bf16: the forward and the losses under autocast, as a run's step has them (train/loop/steps.py);
+        its cast cache off, as under a run's capture (graphs hold the casts' outputs, not a cache)."""
+        if self.b.amp is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.b.device.type, dtype=self.b.amp, cache_enabled=False)
+
     def _train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         b = self.b
-        out = b.stacked(x)
-        if b.ce is not None:
-            m, n = out.shape[0], out.shape[1]
-            per = F.cross_entropy(out.reshape(m * n, -1).float(), y.reshape(m * n), reduction="none", **b.ce)
-            losses = per.view(m, n).mean(1)
-        else:
-            losses = torch.stack([mem.loss(out[j], y[j]) for j, mem in enumerate(self.active)])
+        with self.amp():
+            out = b.stacked(x)
+            if b.ce is not None:
+                m, n = out.shape[0], out.shape[1]
+                per = F.cross_entropy(out.reshape(m * n, -1).float(), y.reshape(m * n), reduction="none", **b.ce)
+                losses = per.view(m, n).mean(1)
+            else:
+                losses = torch.stack([mem.loss(out[j], y[j]) for j, mem in enumerate(self.active)])
         self.loss_sum.add_(losses.detach().float(), alpha=y.shape[1])  # the epoch's sum gets mean * len(y), as alone
         b.opt.zero_grad()
         losses.sum().backward()  # each member's loss has gradient 1: its parameters get its own gradients
@@ -149,13 +158,14 @@ class Group:
             xs = [b.sources[s][2][i : i + bs] for s, _ in pairs]
             ys = [b.sources[s][3][i : i + bs] for s, _ in pairs]
             x, y = self._batch(torch.stack(xs), torch.stack(ys), which)
-            out = b.stacked(x)
-            if b.ce is not None:
-                self._val_sums(out, y, *sums)
-            else:
-                for j, mem in enumerate(self.active):
-                    mem.loss.summed(out[j], y[j], sums[0][j])
-                    mem.metrics.update(out[j], y[j])
+            with self.amp():
+                out = b.stacked(x)
+                if b.ce is not None:
+                    self._val_sums(out, y, *sums)
+                else:
+                    for j, mem in enumerate(self.active):
+                        mem.loss.summed(out[j], y[j], sums[0][j])
+                        mem.metrics.update(out[j], y[j])
         if b.ce is None:
             losses = [v / self.nva for v in sums[0].tolist()]
             return [{"val_loss": losses[j], **mem.metrics.compute(self.nva)} for j, mem in enumerate(self.active)]

@@ -150,7 +150,8 @@ class GraphedGroup(Group):
             self._train_step(*self._batch(*self._gather(pairs, idx, 0), which))
             return
         x, y = self._batch(*self._gather(pairs, idx, 2), which)
-        self._val_sums(self.b.stacked(x), y, *self.val_sums)  # type: ignore[misc]
+        with self.amp():
+            self._val_sums(self.b.stacked(x), y, *self.val_sums)  # type: ignore[misc]
 
     def _graph(self, kind: str, k: int, bs: int, pairs: list[tuple[int, int]], which: torch.Tensor | None) -> tuple:
         key = (kind, k, bs)

@@ -29,7 +29,7 @@ def recipe_why_not(resolved: Resolved) -> str | None:
         (bool(r.callbacks), "callbacks"),
         (bool(r.augment), "augment"),
         (r.grad_clip is not None, "grad_clip"),
-        (r.precision not in ("auto", "fp32"), f"precision {r.precision}"),
+        (r.precision not in ("auto", "fp32", "bf16"), f"precision {r.precision}"),
         (r.compile is True, "compile: true"),
         (r.resident is False, "resident: false"),
         (r.tracking.log_model, "tracking.log_model: true (the fused trials log no model)"),

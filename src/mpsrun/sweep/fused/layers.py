@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpsrun.sweep.fused.amp import amp_cast
 from mpsrun.sweep.fused.packed import ELEMENTWISE, PACKED, POOLS, pack, packed_layer, shared_conv, unpack
 
 WITH_PARAMS = (nn.Linear, nn.Conv2d, nn.BatchNorm2d, nn.BatchNorm1d)
@@ -209,6 +210,7 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, exact: bool) -> torch.Tensor:  # type: ignore[override]
+        x, w, b = amp_cast(x, w, b)
         ctx.save_for_backward(x, w)
         ctx.has_bias, ctx.exact = b is not None, exact
         if exact:  # the CPU: each member's own addmm, as F.linear calls it (bmm's kernels sum in another order)
@@ -219,6 +221,7 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:  # type: ignore[override]
         x, w = ctx.saved_tensors
+        g = g.to(x.dtype)  # bf16 under autocast: the backward in the forward's dtype (the inputs' grads cast back by autograd)
         n = range(x.shape[0])
         if ctx.exact:  # addmm's backward, member by member: grad.mm(weight), grad.t().mm(input), grad.sum(0)
             gx = torch.stack([g[j].mm(w[j]) for j in n]) if ctx.needs_input_grad[0] else None

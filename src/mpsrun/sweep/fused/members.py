@@ -59,6 +59,7 @@ class Built:
     epochs: int
     ce: dict[str, Any] | None  # batched cross-entropy's arguments; None: each member's own loss, one by one
     splits: Any  # the first member's (dataset inputs, data sizes)
+    amp: torch.dtype | None = None  # precision bf16: the forward and the losses under autocast to this dtype, as a run's
 
 
 def build(members: list[Member], cache: dict[str, Any]) -> Built:
@@ -78,6 +79,7 @@ def build(members: list[Member], cache: dict[str, Any]) -> Built:
         raise Unfusable(str(e)) from None
     device = choice.device
     devices.make_current(device)
+    amp = _amp(r0.precision, device)
     models: list[nn.Module] = []
     gens: list[torch.Generator] = []
     raw: list[tuple] = []
@@ -133,7 +135,21 @@ def build(members: list[Member], cache: dict[str, Any]) -> Built:
     exact = device.type == "cpu"
     opt = optim.FusedOptimizer(r0.optimizer.name, stacked.params, [m.hyper for m in members if m.hyper], exact)
     ce = None if exact else _batched_ce(members)  # the CPU: each member's own loss object, as alone (bit for bit)
-    return Built(members, stacked, opt, sources, first_splits.transform, choice, device, r0.batch_size, r0.epochs, ce, first_splits)
+    return Built(members, stacked, opt, sources, first_splits.transform, choice, device, r0.batch_size, r0.epochs, ce, first_splits, amp)
+
+
+def _amp(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of `precision` on this device (None: fp32), as runner.resolve_options decides it; where a
+    run would fall back to fp32 (bf16 on a GPU without it, on MPS before macOS 14), the trials run unfused and say so."""
+    if precision != "bf16":
+        return None
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise Unfusable("precision bf16 is not supported by this GPU (each run says so and uses fp32)")
+    from mpsrun.train import runner
+
+    if device.type == "mps" and not runner._mps_macos_at_least(14):  # noqa: SLF001 - the same test a run makes
+        raise Unfusable("precision bf16 on MPS needs macOS 14 or newer (each run says so and uses fp32)")
+    return torch.bfloat16
 
 
 def _source(raw: list[tuple], data: tuple) -> int:

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpsrun.sweep.fused.amp import amp_cast
+
 ELEMENTWISE = (nn.ReLU, nn.ReLU6, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.LeakyReLU, nn.ELU, nn.Identity, nn.Hardswish, nn.Mish)
 POOLS = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
 
@@ -80,6 +82,7 @@ class _GroupedConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: tuple, padding: tuple, dilation: tuple) -> torch.Tensor:  # type: ignore[override]
+        x, w, b = amp_cast(x, w, b)  # bf16 autocast: what a convolution reads, cast and saved for the backward
         ctx.save_for_backward(x, w)
         ctx.conf = (stride, padding, dilation, b is not None)
         m = w.shape[0]
@@ -88,6 +91,7 @@ class _GroupedConv(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:  # type: ignore[override]
         x, w = ctx.saved_tensors
+        g = g.to(x.dtype)
         stride, padding, dilation, has_bias = ctx.conf
         m, cout = w.shape[0], w.shape[1]
         gx = gw = gb = None

@@ -58,7 +58,7 @@ def begin(tracker: Any, b: Built, group_id: str, parent_run_id: str, notes: list
             base[f"plugin.{kind}"] = f"{ref.distribution} {ref.version} ({ref.value})"
         except Exception:  # noqa: BLE001
             pass
-    options = {"resolved.precision": "fp32", "resolved.channels_last": "false", "resolved.compile": "false",
+    options = {"resolved.precision": "bf16" if getattr(b, "amp", None) is not None else "fp32", "resolved.channels_last": "false", "resolved.compile": "false",
                "resolved.graphs": str(bool(getattr(b, "graphs", False))).lower(), "resolved.cudnn_benchmark": "false"}
     specs = []
     for m in b.members:
