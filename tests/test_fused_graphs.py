@@ -221,3 +221,32 @@ def test_packed_convolution_stages_compute_what_the_member_by_member_layout_does
     torch.testing.assert_close(o1, o0, rtol=1e-5, atol=1e-5)
     for a, b in zip(g0 + r0, g1 + r1):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_packed_stages_under_bf16_autocast_give_the_member_by_member_layout_s_outputs(shared: bool) -> None:
+    """precision: bf16 on the packed layout (checked on the CPU): the grouped convolution's own backward runs in bf16
+    and hands fp32 gradients to the fp32 weights; outputs equal, gradients within bf16's rounding of other sums."""
+    from torch import nn
+
+    from mpsrun.sweep.fused import layers
+
+    def model(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Conv2d(8, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(64, 5))
+
+    x = torch.randn(1, 6, 3, 8, 8).expand(3, 6, 3, 8, 8) if shared else torch.randn(3, 6, 3, 8, 8)
+    outs = []
+    for pack in (False, True):
+        st = layers.Stacked([model(s) for s in range(3)])
+        st.pack, st.channels_last = pack, True
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            out = st(x)
+        assert out.dtype == torch.bfloat16
+        out.float().square().sum().backward()
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in st.params)
+        outs.append((out.detach().float(), [p.grad for p in st.params]))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0)
+    for a, b in zip(outs[0][1], outs[1][1]):
+        assert float((a - b).abs().max()) <= 2e-2 * float(a.abs().max()) + 1e-6
