@@ -90,6 +90,7 @@ device: {device}
 epochs: {epochs}
 batch_size: 128
 seed: 0
+precision: {precision}
 dataset:
   name: synthetic
   shape: [3, 32, 32]
@@ -143,12 +144,12 @@ def cpu(base: Path, trials: int, repeats: int) -> list[tuple[str, float, str]]:
 
 
 def gpu(base: Path, device: str, tiny: bool, cnn_epochs: int = 5, cnn_train: int = 50000,
-        parts: tuple[str, ...] = ("fashion", "cnn")) -> list[tuple[str, float, str]]:
+        parts: tuple[str, ...] = ("fashion", "cnn"), precision: str = "auto") -> list[tuple[str, float, str]]:
     rows: list[tuple[str, float, str]] = []
     if "fashion" in parts:
         rows += _fashion(base, device, tiny)
     if "cnn" in parts:
-        rows += _cnn(base, device, tiny, cnn_epochs, cnn_train)
+        rows += _cnn(base, device, tiny, cnn_epochs, cnn_train, precision)
     return rows
 
 
@@ -170,17 +171,17 @@ def _fashion(base: Path, device: str, tiny: bool) -> list[tuple[str, float, str]
     return rows
 
 
-def _cnn(base: Path, device: str, tiny: bool, cnn_epochs: int, cnn_train: int) -> list[tuple[str, float, str]]:
+def _cnn(base: Path, device: str, tiny: bool, cnn_epochs: int, cnn_train: int, precision: str = "auto") -> list[tuple[str, float, str]]:
     rows: list[tuple[str, float, str]] = []
     ct, cepochs, train, val = (4, 1, 512, 128) if tiny else (16, cnn_epochs, cnn_train, cnn_train // 5)
-    d2, con = folder(base, "cnn", CNN.format(device=device, epochs=cepochs, train=train, val=val, trials=ct, fuse="auto"))
+    d2, con = folder(base, "cnn", CNN.format(device=device, epochs=cepochs, train=train, val=val, trials=ct, fuse="auto", precision=precision))
     coff = d2 / "off.yaml"
-    coff.write_text(CNN.format(device=device, epochs=cepochs, train=train, val=val, trials=ct, fuse="off"))
+    coff.write_text(CNN.format(device=device, epochs=cepochs, train=train, val=val, trials=ct, fuse="off", precision=precision))
     timed(["run", str(con), "-q"], d2)
     w_off = timed(["sweep", str(coff), "--study", "off", "-q"], d2, "cnn fuse: off")
     w_on = timed(["sweep", str(con), "--study", "on", "-q"], d2, "cnn fused")
-    rows += [(f"cnn 32x32: `mpsrun sweep`, {ct} trials, fuse: off, 1 worker ({ct / w_off:.3f} trials/s)", w_off, "1.00x"),
-             (f"cnn 32x32: `mpsrun sweep`, {ct} trials, fused ({ct / w_on:.3f} trials/s)", w_on,
+    rows += [(f"cnn 32x32{' bf16' if precision == 'bf16' else ''}: `mpsrun sweep`, {ct} trials, fuse: off, 1 worker ({ct / w_off:.3f} trials/s)", w_off, "1.00x"),
+             (f"cnn 32x32{' bf16' if precision == 'bf16' else ''}: `mpsrun sweep`, {ct} trials, fused ({ct / w_on:.3f} trials/s)", w_on,
               f"{w_off / w_on:.2f}x the trials per second (target >= 4x){checked(d2)}")]
     _say(rows[-2:])
     return rows
@@ -193,7 +194,7 @@ def _say(rows: list[tuple[str, float, str]]) -> None:
 
 
 def curve(base: Path, device: str, sizes: list[int], epochs: int, tiny: bool, out: Path | None, model: str = "fashion",
-          cnn_train: int = 50000, seeds: int = 4) -> list[str]:
+          cnn_train: int = 50000, seeds: int = 4, precision: str = "auto") -> list[str]:
     """Trial-epochs per second of fused groups of each size, the engine alone (no MLflow, no Optuna), as a sweep
     trains them (graphed on CUDA); for the largest group, one eager epoch profiled: the kernels' own times."""
     import torch
@@ -209,7 +210,7 @@ def curve(base: Path, device: str, sizes: list[int], epochs: int, tiny: bool, ou
     path = d / "f.yaml"
     if model == "cnn":
         train = 512 if tiny else cnn_train
-        path.write_text(CNN.format(device=device, epochs=epochs, train=train, val=train // 5, trials=1, fuse="auto"))
+        path.write_text(CNN.format(device=device, epochs=epochs, train=train, val=train // 5, trials=1, fuse="auto", precision=precision))
     else:
         path.write_text(FASHION.format(device=device, epochs=epochs, root=data, trials=1, fuse="auto"))
     resolved = resolve(path)
@@ -305,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cnn-train", type=int, default=50000, help="cuda (b): training images of the CNN's synthetic data")
     ap.add_argument("--cnn-sizes", default="", help="cuda: also the curve of fused CNN groups of these sizes (e.g. 1,4,16,64)")
     ap.add_argument("--parts", default="fashion,cnn", help="cuda: which sweeps run (fashion (a), cnn (b))")
+    ap.add_argument("--cnn-precision", default="auto", choices=("auto", "bf16"), help="the CNN recipe's precision (sweeps and curve)")
     ap.add_argument("--curve-seeds", type=int, default=4, help="the curve's members' distinct seeds (1: one batch shared by all)")
     ap.add_argument("--no-sweeps", action="store_true", help="cuda: the curves only (not the sweeps (a) and (b))")
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for the profile tables and this output (default $OUT)")
@@ -321,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sizes = [int(s) for s in a.sizes.split(",") if s] if not a.tiny else [1, 4]
             if not a.no_sweeps:
-                rows = gpu(base, a.device, a.tiny, a.cnn_epochs, a.cnn_train, tuple(a.parts.split(",")))
+                rows = gpu(base, a.device, a.tiny, a.cnn_epochs, a.cnn_train, tuple(a.parts.split(",")), a.cnn_precision)
             if sizes and not (base / "data").exists():
                 from mpsrun.testing.idx import write_idx_dataset
 
@@ -329,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             lines = curve(base, a.device, sizes, 1 if a.tiny else a.curve_epochs, a.tiny, out, seeds=a.curve_seeds) if sizes else []
             if a.cnn_sizes:
                 cnn_sizes = [1, 4] if a.tiny else [int(x) for x in a.cnn_sizes.split(",")]
-                lines += [""] + curve(base, a.device, cnn_sizes, 1 if a.tiny else a.curve_epochs, a.tiny, out, "cnn", a.cnn_train, a.curve_seeds)
+                lines += [""] + curve(base, a.device, cnn_sizes, 1 if a.tiny else a.curve_epochs, a.tiny, out, "cnn", a.cnn_train, a.curve_seeds, a.cnn_precision)
     text = [f"\nmachine: {machine(a.device)}", f"command: python benchmarks/fused_sweep_bench.py {' '.join(sys.argv[1:] if argv is None else argv)}", "",
             "| what | wall (s) | vs baseline |", "| --- | ---: | ---: |"]
     text += [f"| {w} | {s:.1f} | {r} |" for w, s, r in rows]
