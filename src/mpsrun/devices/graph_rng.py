@@ -19,7 +19,10 @@ from typing import Iterable
 import torch
 
 
-def unstick(device: torch.device, generators: Iterable[torch.Generator] = ()) -> None:
+def unstick(device: torch.device | None, generators: Iterable[torch.Generator] = ()) -> None:
+    """No-op off CUDA (no capture there to have broken)."""
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return
     index = device.index if device.index is not None else torch.cuda.current_device()
     for gen in [torch.cuda.default_generators[index], *generators]:
         if gen.device.type != "cuda":

@@ -138,7 +138,7 @@ def _capture_or_eager(trainer: "GraphTrainer", plan: BatchPlan, listener: Listen
     except Exception as e:
         from mpsrun.devices import graph_rng
 
-        graph_rng.unstick(trainer.device)  # a broken capture leaves the generators marked as capturing; every graph goes below
+        graph_rng.unstick(getattr(trainer, "device", None))  # a broken capture leaves the generators marked as capturing; every graph goes below
         blamed = type(e).__module__.rsplit(".", 1)[-1]  # a kernel's own Mismatch gives up that kernel, not the first in the table
         for flag, holder, what in sorted(_KERNELS, key=lambda k: k[0] != blamed):  # the kernels first, one at a time
             if getattr(trainer.options, flag):
