@@ -95,16 +95,23 @@ def build_model(recipe: Recipe, splits: DataSplits) -> nn.Module:
     return model
 
 
+def resolve_precision(precision: str, device: torch.device) -> tuple[str, str]:
+    """The precision a run uses on this device (`auto` is fp32) and, where bf16 cannot be had there, why not
+    (the run then says so and uses fp32; a fused sweep group runs its trials unfused instead)."""
+    precision = "fp32" if precision == "auto" else precision
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return "fp32", "precision bf16 is not supported by this GPU; using fp32"
+    if precision == "bf16" and device.type == "mps" and not _mps_macos_at_least(14):
+        return "fp32", "precision bf16 on MPS needs macOS 14 or newer; using fp32"
+    return precision, ""
+
+
 def resolve_options(recipe: Recipe, device: torch.device, model: nn.Module, plan: BatchPlan) -> Options:
     """Turn each `auto` into a concrete choice for this device; every skip becomes a note."""
     notes: list[str] = []
-    precision = "fp32" if recipe.precision == "auto" else recipe.precision
-    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        notes.append("precision bf16 is not supported by this GPU; using fp32")
-        precision = "fp32"
-    if precision == "bf16" and device.type == "mps" and not _mps_macos_at_least(14):
-        notes.append("precision bf16 on MPS needs macOS 14 or newer; using fp32")
-        precision = "fp32"
+    precision, why = resolve_precision(recipe.precision, device)
+    if why:
+        notes.append(why)
     has_conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
     if recipe.channels_last == "auto":
         channels_last = device.type == "cuda" and has_conv

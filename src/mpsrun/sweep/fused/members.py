@@ -139,17 +139,14 @@ def build(members: list[Member], cache: dict[str, Any]) -> Built:
 
 
 def _amp(precision: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype of `precision` on this device (None: fp32), as runner.resolve_options decides it; where a
-    run would fall back to fp32 (bf16 on a GPU without it, on MPS before macOS 14), the trials run unfused and say so."""
-    if precision != "bf16":
-        return None
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise Unfusable("precision bf16 is not supported by this GPU (each run says so and uses fp32)")
+    """The autocast dtype of `precision` on this device (None: fp32), as a run resolves it (runner.resolve_precision);
+    where a run would say why not and use fp32, the trials run unfused, each run saying it."""
     from mpsrun.train import runner
 
-    if device.type == "mps" and not runner._mps_macos_at_least(14):  # noqa: SLF001 - the same test a run makes
-        raise Unfusable("precision bf16 on MPS needs macOS 14 or newer (each run says so and uses fp32)")
-    return torch.bfloat16
+    resolved, why = runner.resolve_precision(precision, device)
+    if why and precision == "bf16":
+        raise Unfusable(why)
+    return torch.bfloat16 if resolved == "bf16" else None
 
 
 def _source(raw: list[tuple], data: tuple) -> int:
