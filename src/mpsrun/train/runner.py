@@ -34,6 +34,7 @@ from mpsrun.track.store.runs import EPOCHS_DONE_TAG
 from mpsrun.track.records import names as mlflow_names
 from mpsrun.track.records.standard import TIMINGS_FILE, bookkeeping
 from mpsrun.train import assemble as controls
+from mpsrun.train.precision import resolve_precision
 from mpsrun.train.ranks import distributed
 from mpsrun.train.keep import final_eval
 from mpsrun.train.ranks import job_run
@@ -95,21 +96,10 @@ def build_model(recipe: Recipe, splits: DataSplits) -> nn.Module:
     return model
 
 
-def resolve_precision(precision: str, device: torch.device) -> tuple[str, str]:
-    """The precision a run uses on this device (`auto` is fp32) and, where bf16 cannot be had there, why not
-    (the run then says so and uses fp32; a fused sweep group runs its trials unfused instead)."""
-    precision = "fp32" if precision == "auto" else precision
-    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return "fp32", "precision bf16 is not supported by this GPU; using fp32"
-    if precision == "bf16" and device.type == "mps" and not _mps_macos_at_least(14):
-        return "fp32", "precision bf16 on MPS needs macOS 14 or newer; using fp32"
-    return precision, ""
-
-
 def resolve_options(recipe: Recipe, device: torch.device, model: nn.Module, plan: BatchPlan) -> Options:
     """Turn each `auto` into a concrete choice for this device; every skip becomes a note."""
     notes: list[str] = []
-    precision, why = resolve_precision(recipe.precision, device)
+    precision, why = resolve_precision(recipe.precision, device)  # train/precision.py
     if why:
         notes.append(why)
     has_conv = any(isinstance(m, nn.Conv2d) for m in model.modules())
@@ -147,13 +137,6 @@ def resolve_options(recipe: Recipe, device: torch.device, model: nn.Module, plan
         notes=notes,
         cudnn_benchmark=cudnn_benchmark,
     )
-
-
-def _mps_macos_at_least(major: int) -> bool:
-    try:
-        return bool(torch.backends.mps.is_macos_or_newer(major, 0))
-    except Exception:
-        return False
 
 
 def build_optimizer(recipe: Recipe, model: nn.Module, graphs: bool) -> torch.optim.Optimizer:

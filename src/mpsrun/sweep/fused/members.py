@@ -139,11 +139,11 @@ def build(members: list[Member], cache: dict[str, Any]) -> Built:
 
 
 def _amp(precision: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype of `precision` on this device (None: fp32), as a run resolves it (runner.resolve_precision);
+    """The autocast dtype of `precision` on this device (None: fp32), as a run resolves it (train/precision.py);
     where a run would say why not and use fp32, the trials run unfused, each run saying it."""
-    from mpsrun.train import runner
+    from mpsrun.train.precision import resolve_precision
 
-    resolved, why = runner.resolve_precision(precision, device)
+    resolved, why = resolve_precision(precision, device)
     if why and precision == "bf16":
         raise Unfusable(why)
     return torch.bfloat16 if resolved == "bf16" else None
