@@ -81,9 +81,8 @@ class Stacked:
         self.generators = generators  # each member's own (dropout), as its solo run's global generator
         self.training = True
         self.exact = bool(self.params) and self.params[0].device.type == "cpu"  # each member's own kernels, bit for bit
-        # Convolution stages kept packed (graphed.group_for turns it on for CUDA): no transposes between the layers,
-        # and channels_last, where cuDNN's grouped kernels are fast (NCHW's grouped weight gradient was 1.4 ms a step
-        # for 16 small-CNN members on an H200, 1.3x the solo run's throughput in all)
+        # Convolution stages kept packed (graphed.group_for turns it on for CUDA; packed.py): no transposes between
+        # the layers, channels_last as a solo conv run on CUDA has it
         self.pack = False
         self.channels_last = False
         self.pools: Any = None  # packed.FastPools: the packed stage's max-pools as Triton kernels (graphed.group_for, CUDA)

@@ -11,7 +11,8 @@ layout on the CPU and on CUDA.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -146,18 +147,15 @@ def _splits(rows: int) -> int:
     return s
 
 
-class _matmul_like_conv:
+@contextlib.contextmanager
+def _matmul_like_conv(t: torch.Tensor) -> Iterator[None]:
     """cuBLAS at cuDNN's convolution precision for the block: TF32 where cuDNN may use it (CUDA only)."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.on = t.is_cuda and bool(torch.backends.cudnn.allow_tf32)
-
-    def __enter__(self) -> None:
-        self.was = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = self.on
-
-    def __exit__(self, *exc: object) -> None:
-        torch.backends.cuda.matmul.allow_tf32 = self.was
+    was = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = t.is_cuda and bool(torch.backends.cudnn.allow_tf32)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was
 
 
 class FastPools:
