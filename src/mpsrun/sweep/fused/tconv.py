@@ -1,0 +1,353 @@
+"""Triton implicit-GEMM convolutions on the fused sweep's packed channels_last layout.
+
+Why: members packed as [B, M*C, H, W] (packed.py) run their later convolutions grouped by member.
+cuDNN runs a grouped convolution group by group (on an H200, 16 small-CNN members: 0.8 ms of a
+3.7 ms step in grouped forward and input gradient), and the weight gradient was a batched matmul
+over an unfolded copy of the input (hundreds of megabytes a step). Here each is one kernel over
+every member at once, reading the packed tensors where they lie:
+
+- `conv_fwd`: out[p, m*Cout+co] = sum over (kh, kw, ci) of x[shift(p, kh, kw), m*Cin+ci] * w[m, co, ci, kh, kw]
+  (stride 1), bias in the epilogue; memory is [N, H, W, M*C] (channels_last), so a member's channels
+  at one pixel are contiguous.
+- `conv_dgrad`: the same kernel on grad_out with each member's filters flipped and transposed, and
+  padding d*(K-1)-p (negative padding is only an offset: the masks do the rest).
+- `conv_wgrad`: gw[m, co, (ci, kh, kw)] = sum_p g[p, m*Cout+co] * x[shift(p, kh, kw), m*Cin+ci], the
+  sum over p cut into S slices (split-K), each program writing fp32 partials, summed by torch after
+  (deterministic, no atomics). The (ci, kh, kw) columns are one flattened axis, so a 3-channel first
+  layer fills its tiles (27 columns in a 32-wide tile) instead of padding each tap to 16.
+
+Precision: fp32 inputs use TF32 tensor cores where `torch.backends.cudnn.allow_tf32` (cuDNN's own
+choice for convolutions) and exact fp32 ("ieee") otherwise; bf16/fp16 inputs accumulate in fp32 and
+write the input's dtype (the weight gradient stays fp32 until the caller casts it).
+
+Triton is imported only when a kernel is first built, so this module imports on a machine without it.
+Tensor offsets are 32-bit: `fits` refuses tensors of 2**31 elements or more.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_kernels: dict[str, Any] = {}
+
+BLOCK_P = 64  # output positions per program (forward) / rows per inner step (weight gradient)
+WGRAD_PROGRAMS = 1024  # about this many programs for a weight gradient: a few waves on a 132-SM GPU
+WGRAD_MIN_ROWS = 512  # rows per split at least (partials stay small against the sum)
+
+
+def _build() -> dict[str, Any]:
+    if _kernels:
+        return _kernels
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def conv_fwd_k(x_ptr, w_ptr, b_ptr, y_ptr, P, H, W, OH, OW, CIN, COUT, XC, YC, PH, PW,
+                   DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BP: tl.constexpr, BCO: tl.constexpr, BCI: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
+        ncb = tl.cdiv(COUT, BCO)
+        m = tl.program_id(1) // ncb
+        co = (tl.program_id(1) % ncb) * BCO + tl.arange(0, BCO)
+        pp = tl.program_id(0) * BP + tl.arange(0, BP)
+        pmask = pp < P
+        comask = co < COUT
+        ow = pp % OW
+        oh = (pp // OW) % OH
+        n = pp // (OW * OH)
+        acc = tl.zeros((BP, BCO), dtype=tl.float32)
+        for kh in tl.static_range(KH):
+            ih = oh - PH + kh * DH
+            for kw in tl.static_range(KW):
+                iw = ow - PW + kw * DW
+                ok = pmask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+                base = ((n * H + ih) * W + iw) * XC + m * CIN
+                wbase = ((m * KH + kh) * KW + kw) * CIN  # w rearranged: [M, KH, KW, CIN, COUT]
+                for c0 in range(0, CIN, BCI):
+                    ci = c0 + tl.arange(0, BCI)
+                    cimask = ci < CIN
+                    a = tl.load(x_ptr + base[:, None] + ci[None, :], mask=ok[:, None] & cimask[None, :], other=0.0)
+                    b = tl.load(w_ptr + (wbase + ci)[:, None] * COUT + co[None, :], mask=cimask[:, None] & comask[None, :], other=0.0)
+                    if UP:
+                        a, b = a.to(tl.float32), b.to(tl.float32)
+                    acc = tl.dot(a, b, acc, input_precision=PREC)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + m * COUT + co, mask=comask, other=0.0).to(tl.float32)[None, :]
+        out = pp[:, None] * YC + m * COUT + co[None, :]
+        tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=pmask[:, None] & comask[None, :])
+
+    @triton.jit
+    def conv_wgrad_k(g_ptr, x_ptr, part_ptr, P, ROWS, M, H, W, OH, OW, CIN, COUT, XC, YC, PH, PW, SH, SW, NKB,
+                     DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                     BP: tl.constexpr, BCO: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
+        s = tl.program_id(0)  # which slice of the rows
+        ncb = tl.cdiv(COUT, BCO)
+        pid = tl.program_id(1)
+        kb = pid % NKB
+        cb = (pid // NKB) % ncb
+        m = pid // (NKB * ncb)
+        K = CIN * KH * KW
+        co = cb * BCO + tl.arange(0, BCO)
+        kk = kb * BK + tl.arange(0, BK)  # flattened (ci, kh, kw), the weight's own order
+        comask = co < COUT
+        kmask = kk < K
+        ci = kk // (KH * KW)
+        kh = (kk // KW) % KH
+        kw = kk % KW
+        xoff = (kh * DH) * W + kw * DW  # the tap's shift, in pixels
+        acc = tl.zeros((BCO, BK), dtype=tl.float32)
+        start = s * ROWS
+        for p0 in range(start, start + ROWS, BP):
+            pp = p0 + tl.arange(0, BP)
+            pmask = pp < P
+            ow = pp % OW
+            oh = (pp // OW) % OH
+            n = pp // (OW * OH)
+            a = tl.load(g_ptr + pp[None, :] * YC + m * COUT + co[:, None], mask=pmask[None, :] & comask[:, None], other=0.0)
+            ih = (oh * SH - PH)[:, None] + (kh * DH)[None, :]
+            iw = (ow * SW - PW)[:, None] + (kw * DW)[None, :]
+            ok = pmask[:, None] & kmask[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            pix = ((n * H + oh * SH - PH) * W + ow * SW - PW)[:, None] + xoff[None, :]
+            b = tl.load(x_ptr + pix * XC + (m * CIN + ci)[None, :], mask=ok, other=0.0)
+            if UP:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+        base = (s * M + m) * COUT * K  # partials [S, M, COUT, K]
+        tl.store(part_ptr + base + co[:, None] * K + kk[None, :], acc, mask=comask[:, None] & kmask[None, :])
+
+    _kernels.update(fwd=conv_fwd_k, wgrad=conv_wgrad_k, cdiv=triton.cdiv)
+    return _kernels
+
+
+def fits(*ts: torch.Tensor) -> bool:
+    """4-D channels_last tensors of a float dtype the kernels take, small enough for 32-bit offsets."""
+    return all(t.dim() == 4 and t.dtype in (torch.float32, torch.bfloat16, torch.float16) and t.numel() < 2**31 and t.shape[0] > 0
+               and t.is_contiguous(memory_format=torch.channels_last) for t in ts)
+
+
+def _prec(dtype: torch.dtype) -> str:
+    """'tf32' where cuDNN would use TF32 for this convolution (fp32 inputs, allow_tf32), else exact fp32 products."""
+    if dtype != torch.float32:
+        return "tf32"  # bf16/fp16 products are exact in fp32: the setting does not apply
+    return "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"
+
+
+def _up(dtype: torch.dtype) -> bool:
+    """Half-precision tiles widened to fp32 before `tl.dot`, only in Triton's CPU interpreter.
+
+    Why: the interpreter's dot reads bf16 as raw integers (Triton 3.8: wrong by 1e10); a bf16 x bf16 product
+    is exact in fp32, so the widened dot is the same sum the GPU's bf16 tensor cores accumulate in fp32."""
+    import os
+
+    return dtype != torch.float32 and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pow2(n: int, lo: int, hi: int) -> int:
+    p = lo
+    while p < n and p < hi:
+        p *= 2
+    return p
+
+
+def _out(size: int, k: int, p: int, d: int, s: int = 1) -> int:
+    return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def _implicit(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor | None, padding: tuple, dilation: tuple, m: int) -> torch.Tensor:
+    """The forward kernel: x [N, M*CIN, H, W] channels_last, wr [M, KH, KW, CIN, COUT] contiguous, stride 1."""
+    k = _build()
+    _, kh, kw, cin, cout = wr.shape
+    n, xc, h, w = x.shape
+    ph, pw = padding
+    dh, dw = dilation
+    oh, ow = _out(h, kh, ph, dh), _out(w, kw, pw, dw)
+    y = torch.empty((n, m * cout, oh, ow), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
+    if y.numel() == 0:
+        return y
+    p = n * oh * ow
+    bco, bci = _pow2(cout, 16, 64), _pow2(cin, 16, 32)
+    grid = (k["cdiv"](p, BLOCK_P), m * k["cdiv"](cout, bco))
+    k["fwd"][grid](x, wr, bias if bias is not None else wr, y, p, h, w, oh, ow, cin, cout, xc, m * cout, ph, pw,
+                   DH=dh, DW=dw, KH=kh, KW=kw, HAS_BIAS=bias is not None, BP=BLOCK_P, BCO=bco, BCI=bci,
+                   PREC=_prec(x.dtype), UP=_up(x.dtype), num_warps=4)
+    return y
+
+
+def conv_fwd(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, padding: tuple, dilation: tuple, groups_m: int) -> torch.Tensor:
+    """Each member's convolution, stride 1: x [N, M*Cin, H, W] channels_last, w [M, Cout, Cin, KH, KW], bias [M, Cout] or None.
+    Returns [N, M*Cout, OH, OW] channels_last in x's dtype."""
+    wr = w.to(x.dtype).permute(0, 3, 4, 2, 1).contiguous()  # [M, KH, KW, Cin, Cout]: a member's tap a [Cin, Cout] tile
+    b = bias.reshape(-1).contiguous() if bias is not None else None
+    return _implicit(x, wr, b, tuple(padding), tuple(dilation), groups_m)
+
+
+def conv_dgrad(g: torch.Tensor, w: torch.Tensor, xshape: tuple, padding: tuple, dilation: tuple) -> torch.Tensor:
+    """The input gradient of a stride-1 member-grouped convolution: g [N, M*Cout, OH, OW] channels_last.
+
+    A forward convolution of g with w'[m, ci, co, kh, kw] = w[m, co, ci, KH-1-kh, KW-1-kw] and padding d*(K-1)-p:
+    input row i gathers grad rows o = i + p - d*k, which is the flipped filter's tap K-1-k at offset -(d*(K-1)-p)."""
+    m, _, _, kh, kw = w.shape
+    wr = w.to(g.dtype).flip(3, 4).permute(0, 3, 4, 1, 2).contiguous()  # [M, KH, KW, Cout, Cin]
+    pad = (dilation[0] * (kh - 1) - padding[0], dilation[1] * (kw - 1) - padding[1])
+    gx = _implicit(g, wr, None, pad, tuple(dilation), m)
+    if tuple(gx.shape[2:]) != tuple(xshape[2:]):  # never for stride 1; a guard against a wrong caller
+        raise ValueError(f"input gradient {tuple(gx.shape)} for an input {tuple(xshape)}")
+    return gx
+
+
+def conv_wgrad(g: torch.Tensor, x: torch.Tensor, wshape: tuple, padding: tuple, dilation: tuple, stride: tuple = (1, 1)) -> torch.Tensor:
+    """Each member's weight gradient, fp32 [M, Cout, Cin, KH, KW]: g [N, M*Cout, OH, OW], x [N, M*Cin, H, W], both channels_last.
+
+    Split-K over the N*OH*OW rows: S slices, each program's [BCO, BK] tile summed over its slice into fp32
+    partials [S, M, Cout, Cin*KH*KW], then `sum(0)` (a deterministic order)."""
+    k = _build()
+    m, cout, cin, kh, kw = wshape
+    n, xc, h, w = x.shape
+    oh, ow = g.shape[2], g.shape[3]
+    p = n * oh * ow
+    kdim = cin * kh * kw
+    bco, bk = _pow2(cout, 16, 64), _pow2(kdim, 16, 32)
+    nkb = k["cdiv"](kdim, bk)
+    tiles = m * k["cdiv"](cout, bco) * nkb
+    splits = max(1, min(k["cdiv"](WGRAD_PROGRAMS, tiles), k["cdiv"](p, WGRAD_MIN_ROWS)))
+    rows = k["cdiv"](k["cdiv"](p, splits), BLOCK_P) * BLOCK_P
+    splits = k["cdiv"](p, rows)
+    part = torch.empty((splits, m, cout, kdim), device=x.device, dtype=torch.float32)
+    k["wgrad"][(splits, tiles)](g, x, part, p, rows, m, h, w, oh, ow, cin, cout, xc, g.shape[1], padding[0], padding[1],
+                                stride[0], stride[1], nkb, DH=dilation[0], DW=dilation[1], KH=kh, KW=kw,
+                                BP=BLOCK_P, BCO=bco, BK=bk, PREC=_prec(x.dtype), UP=_up(x.dtype), num_warps=4)
+    return (part[0] if splits == 1 else part.sum(0)).view(m, cout, cin, kh, kw)
+
+
+# -- where the kernels run in a fused group: checked against cuDNN once per shape, said when not used
+
+
+class Mismatch(RuntimeError):
+    """The kernels disagreed with cuDNN at a shape: the group goes on with cuDNN's convolutions (said)."""
+
+
+def why_not(layers: list[torch.nn.Module], device: torch.device, channels_last: bool) -> str | None:
+    """None where a packed group's convolutions can run through these kernels; else why not (the group's note)."""
+    import os
+
+    if device.type != "cuda" or not channels_last:
+        return "not a CUDA channels_last group"
+    if not any(isinstance(m, torch.nn.Conv2d) for m in layers):
+        return "no convolution"
+    if os.environ.get("MPSRUN_FUSED_CONV", "1").strip().lower() in ("0", "false", "no", "off"):
+        return "MPSRUN_FUSED_CONV=0"
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - CUDA torch ships triton; said where it does not
+        return f"triton is not importable ({type(e).__name__})"
+    return None
+
+
+def _tol(dtype: torch.dtype) -> float:
+    """How far from cuDNN, relative to the largest reference value, still counts as the same convolution.
+    TF32 and bf16 round each product's inputs to 10 and 7 mantissa bits (cuDNN does too, in another order);
+    a wrong kernel (a lost tap, a sign, a member's channels crossed) is off by the order of the values."""
+    if dtype != torch.float32:
+        return 3e-2
+    return 1e-2 if torch.backends.cudnn.allow_tf32 else 1e-4
+
+
+def check(kind: str, xshape: tuple, wshape: tuple, dtype: torch.dtype, device: torch.device, stride: tuple, padding: tuple,
+          dilation: tuple) -> None:
+    """The kernels against cuDNN (aten's convolution and its backward) on random inputs of this shape; raises Mismatch.
+
+    kind "grouped": forward and input gradient (stride 1) and weight gradient of a member-grouped convolution;
+    "shared": the weight gradient of one dense convolution (wshape's M is 1). A private generator: the run's
+    random streams are untouched."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    m, cout, cin, kh, kw = wshape
+    x = torch.randn(xshape, device=device, generator=gen).to(dtype).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(wshape, device=device, generator=gen).to(dtype)
+    b = torch.randn(m, cout, device=device, generator=gen).to(dtype)
+    wf = w.reshape(m * cout, cin, kh, kw)
+    groups = m if kind == "grouped" else 1
+    with torch.autocast(device.type, enabled=False):
+        ref = torch.ops.aten.convolution(x, wf, b.reshape(-1), list(stride), list(padding), list(dilation), False, [0, 0], groups)
+        g = torch.randn(ref.shape, device=device, generator=gen).to(dtype).contiguous(memory_format=torch.channels_last)
+        rgx, rgw, _ = torch.ops.aten.convolution_backward(g, x, wf, None, list(stride), list(padding), list(dilation), False, [0, 0],
+                                                          groups, [True, True, False])
+        got = [("weight gradient", conv_wgrad(g, x, wshape, padding, dilation, stride), rgw.view(wshape))]
+        if kind == "grouped" and tuple(stride) == (1, 1):
+            got += [("output", conv_fwd(x, w, b, padding, dilation, m), ref),
+                    ("input gradient", conv_dgrad(g, w, xshape, padding, dilation), rgx)]
+    for what, a, r in got:
+        scale = r.float().abs().max().clamp_min(1e-30)
+        err = float((a.float() - r.float()).abs().max() / scale) if a.shape == r.shape else float("inf")
+        if not err <= _tol(dtype):  # a NaN fails too
+            raise Mismatch(f"conv {kind} x{tuple(xshape)} w{tuple(wshape)} {dtype}: the {what} is {err:.2g} from cuDNN's (relative to its largest)")
+
+
+class Convs:
+    """A packed group's convolutions through these kernels, each shape checked once outside any capture.
+
+    `use` says whether a call may take the kernels: never at a shape first met during a CUDA graph capture
+    (cuDNN's then, not a guess), never after a mismatch (the group then says so through `say`, once)."""
+
+    def __init__(self, say: Any) -> None:
+        self.say = say
+        self.checked: set[tuple] = set()
+        self.off: str | None = None
+
+    def use(self, kind: str, x: torch.Tensor, w: torch.Tensor, stride: tuple, padding: tuple, dilation: tuple) -> bool:
+        if self.off is not None or not fits(x) or w.dtype != x.dtype:
+            return False
+        key = (kind, tuple(x.shape), tuple(w.shape), x.dtype, tuple(stride), tuple(padding), tuple(dilation),
+               bool(torch.backends.cudnn.allow_tf32))
+        if key in self.checked:
+            return True
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        try:
+            check(kind, tuple(x.shape), tuple(w.shape), x.dtype, x.device, stride, padding, dilation)
+        except Mismatch as e:
+            self.off = str(e)
+            self.say(f"convolutions: cuDNN's for this group, not the fused Triton kernels ({e})")
+            return False
+        self.checked.add(key)
+        return True
+
+
+class SharedConv(torch.autograd.Function):
+    """Every member's first convolution of one shared batch as one dense convolution (packed.shared_conv), its
+    weight gradient through `conv_wgrad`.
+
+    Why: for a 3-channel input cuDNN's dense weight gradient is a generic kernel plus a layout transform (on an
+    H200, 0.5 ms of a 16-member step). The forward stays cuDNN's; the input gradient too, where the input needs one
+    (a shared batch does not)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: tuple, padding: tuple, dilation: tuple,  # type: ignore[override]
+                convs: Convs) -> torch.Tensor:
+        from mpsrun.sweep.fused.amp import amp_cast
+
+        x, w, b = amp_cast(x, w, b)
+        ctx.save_for_backward(x, w)
+        wf = w.reshape(-1, *w.shape[2:])
+        ctx.conf = (stride, padding, dilation, b is not None, convs.use("shared", x, wf.unsqueeze(0), stride, padding, dilation))
+        return torch.nn.functional.conv2d(x, wf, b.reshape(-1) if b is not None else None, stride, padding, dilation)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        stride, padding, dilation, has_bias, use = ctx.conf
+        g = g.to(x.dtype)
+        wf = w.reshape(-1, *w.shape[2:])
+        m, cout = w.shape[0], w.shape[1]
+        gx = gw = gb = None
+        want_w = ctx.needs_input_grad[1] and not use
+        if ctx.needs_input_grad[0] or want_w:
+            gx, gw, _ = torch.ops.aten.convolution_backward(g, x, wf, None, list(stride), list(padding), list(dilation), False, [0, 0], 1,
+                                                            [ctx.needs_input_grad[0], want_w, False])
+            gw = gw.view(w.shape) if want_w else None
+        if ctx.needs_input_grad[1] and use:
+            g = g.contiguous(memory_format=torch.channels_last)
+            gw = conv_wgrad(g, x, (1, *wf.shape), padding, dilation, stride).view(w.shape)
+        if has_bias and ctx.needs_input_grad[2]:
+            gb = g.sum((0, 2, 3)).view(m, cout)
+        return gx, gw, gb, None, None, None, None

@@ -1,0 +1,216 @@
+"""The fused sweep's Triton convolutions (sweep/fused/tconv.py): their answers, their check, and when a group uses them.
+
+The kernels run here in Triton's CPU interpreter (TRITON_INTERPRET=1, a child process; tconv.fits takes CPU
+tensors, so the same Functions run). On a CUDA machine the `_cuda` test trains a packed CNN's fused step with the
+kernels and with cuDNN's convolutions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpsrun.sweep.fused import tconv
+
+CHECK = """
+import json, torch
+import torch.nn.functional as F
+from torch import nn
+from mpsrun.sweep.fused import tconv
+from mpsrun.sweep.fused.layers import Stacked
+torch.backends.cudnn.allow_tf32 = False  # exact fp32 products ("ieee")
+gen = torch.Generator().manual_seed(0)
+out = {"kernels": [], "stacked": []}
+# (M, N, Cin, Cout, H, W, K, padding, dilation, stride, bias, dtype)
+CASES = [(2, 2, 3, 16, 5, 7, 3, 1, 1, 1, True, torch.float32), (3, 1, 8, 16, 7, 6, 5, 2, 2, 1, False, torch.float32),
+         (1, 2, 32, 64, 4, 5, 1, 0, 1, 1, True, torch.float32), (2, 1, 8, 16, 6, 6, 3, 0, 1, 1, True, torch.float32),
+         (2, 2, 3, 16, 7, 5, 3, 2, 2, 1, True, torch.float32), (2, 2, 8, 16, 5, 6, 3, 1, 1, 1, True, torch.bfloat16),
+         (2, 2, 8, 16, 7, 9, 3, 1, 1, 2, False, torch.float32), (1, 2, 3, 64, 6, 6, 3, 1, 1, 1, False, torch.float32)]
+for m, n, cin, cout, h, w, k, p, d, s, bias, dt in CASES:
+    x = torch.randn(n, m * cin, h, w, generator=gen).to(dt).contiguous(memory_format=torch.channels_last)
+    wt = torch.randn(m, cout, cin, k, k, generator=gen).to(dt)
+    b = torch.randn(m, cout, generator=gen).to(dt) if bias else None
+    xr, wr = x.float().requires_grad_(), wt.float().requires_grad_()
+    ref = F.conv2d(xr, wr.reshape(-1, cin, k, k), b.float().reshape(-1) if bias else None, s, p, d, groups=m)
+    g = torch.randn(ref.shape, generator=gen).to(dt).contiguous(memory_format=torch.channels_last)
+    rgx, rgw = torch.autograd.grad(ref, (xr, wr), g.float())
+    got = {"wgrad": (tconv.conv_wgrad(g, x, tuple(wt.shape), (p, p), (d, d), (s, s)), rgw)}
+    if s == 1:
+        got["fwd"] = (tconv.conv_fwd(x, wt, b, (p, p), (d, d), m), ref)
+        got["dgrad"] = (tconv.conv_dgrad(g, wt, tuple(x.shape), (p, p), (d, d)), rgx)
+    errs = {}
+    for what, (a, r) in got.items():
+        layout = a.dim() == 5 or a.is_contiguous(memory_format=torch.channels_last)
+        errs[what] = [list(a.shape) == list(r.shape), str(a.dtype), layout, float((a.float() - r).abs().max() / r.abs().max())]
+    out["kernels"].append([str(dt), errs])
+# each check passes at a grouped shape and at a dense first layer's
+tconv.check("grouped", (2, 16, 6, 5), (2, 16, 8, 3, 3), torch.float32, torch.device("cpu"), (1, 1), (1, 1), (1, 1))
+tconv.check("shared", (2, 3, 6, 5), (1, 32, 3, 3, 3), torch.float32, torch.device("cpu"), (1, 1), (1, 1), (1, 1))
+# a packed CNN's step with the kernels and with torch's convolutions: members sharing a batch (a dense first
+# convolution) and members with their own batches (every convolution grouped)
+torch.manual_seed(0)
+models = [nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
+                        nn.Conv2d(16, 16, 1), nn.Flatten(), nn.Linear(16 * 4 * 4, 3)) for _ in range(3)]
+said = []
+for shared in (True, False):
+    xin = torch.randn(4, 3, 8, 8, generator=gen)
+    xs = xin.expand(3, *xin.shape) if shared else torch.randn(3, 4, 3, 8, 8, generator=gen)
+    res = []
+    for use in (True, False):
+        st = Stacked(models)
+        st.pack, st.channels_last = True, True
+        st.convs = tconv.Convs(said.append) if use else None
+        y = st(xs)
+        y.square().sum().backward()
+        res.append([y.detach()] + [p.grad for p in st.params])
+        if use:
+            kinds = sorted({k[0] for k in st.convs.checked})
+    errs = [float((a - b).abs().max() / b.abs().max()) for a, b in zip(*res)]
+    out["stacked"].append([shared, kinds, max(errs)])
+out["said"] = said
+print(json.dumps(out))
+"""
+
+
+def test_the_kernels_give_torch_s_convolutions_in_triton_s_interpreter() -> None:
+    pytest.importorskip("triton", reason="Triton is not installed here")
+    if torch.cuda.is_available():
+        pytest.skip("on a CUDA machine the _cuda test runs the kernels themselves")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(out["kernels"]) == 8
+    for dtype, errs in out["kernels"]:
+        # bf16: the output's rounding (the interpreter rounds toward zero: one bf16 step, 2**-7 of the value at most)
+        tol = 1e-5 if dtype == "torch.float32" else 1e-2
+        for what, (same_shape, got_dtype, channels_last, err) in errs.items():
+            assert same_shape and channels_last, (dtype, what)
+            assert got_dtype == (dtype if what != "wgrad" else "torch.float32"), (dtype, what)  # weight gradients in fp32
+            assert err <= tol, (dtype, what, err)
+    assert sum("fwd" in e for _, e in out["kernels"]) == 7  # stride 2: the weight gradient only
+    for shared, kinds, err in out["stacked"]:
+        assert kinds == (["grouped", "shared"] if shared else ["grouped"])  # every convolution went through the kernels
+        assert err <= 1e-5, (shared, err)
+    assert out["said"] == []
+
+
+def _torch_kernels(monkeypatch: pytest.MonkeyPatch, wrong: str = "") -> None:
+    """tconv's three kernels as torch's grouped convolution (the check's own plumbing runs without Triton), `wrong` one off."""
+    def fwd(x, w, b, padding, dilation, m):  # noqa: ANN001, ANN202
+        y = F.conv2d(x, w.reshape(-1, *w.shape[2:]), b.reshape(-1) if b is not None else None, 1, padding, dilation, groups=m)
+        return -y if wrong == "fwd" else y
+
+    def dgrad(g, w, xshape, padding, dilation):  # noqa: ANN001, ANN202
+        gx = torch.ops.aten.convolution_backward(g, torch.empty(xshape), w.reshape(-1, *w.shape[2:]), None, [1, 1], list(padding),
+                                                 list(dilation), False, [0, 0], w.shape[0], [True, False, False])[0]
+        return gx.roll(1, 3) if wrong == "dgrad" else gx
+
+    def wgrad(g, x, wshape, padding, dilation, stride=(1, 1)):  # noqa: ANN001, ANN202
+        gw = torch.ops.aten.convolution_backward(g, x, torch.empty(wshape).reshape(-1, *wshape[2:]), None, list(stride), list(padding),
+                                                 list(dilation), False, [0, 0], wshape[0], [False, True, False])[1].view(wshape)
+        return gw * 1.05 if wrong == "wgrad" else gw
+
+    monkeypatch.setattr(tconv, "conv_fwd", fwd)
+    monkeypatch.setattr(tconv, "conv_dgrad", dgrad)
+    monkeypatch.setattr(tconv, "conv_wgrad", wgrad)
+
+
+@pytest.mark.parametrize("wrong", ["fwd", "dgrad", "wgrad"])
+def test_a_kernel_that_is_off_is_caught_by_the_check_and_the_group_says_so(monkeypatch: pytest.MonkeyPatch, wrong: str) -> None:
+    """`check` is what stands between a wrong kernel and a run: each of the three results is compared."""
+    _torch_kernels(monkeypatch)
+    args = ((2, 16, 6, 5), (2, 16, 8, 3, 3), torch.float32, torch.device("cpu"), (1, 1), (1, 1), (1, 1))
+    tconv.check("grouped", *args)  # right kernels pass
+    _torch_kernels(monkeypatch, wrong)
+    what = {"fwd": "output", "dgrad": "input gradient", "wgrad": "weight gradient"}[wrong]
+    with pytest.raises(tconv.Mismatch, match=what):
+        tconv.check("grouped", *args)
+    said: list[str] = []
+    convs = tconv.Convs(said.append)
+    x = torch.randn(2, 16, 6, 5).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(2, 16, 8, 3, 3)
+    assert not convs.use("grouped", x, w, (1, 1), (1, 1), (1, 1))  # cuDNN's from here on, for every shape
+    assert convs.off and len(said) == 1 and said[0].startswith("convolutions: cuDNN's for this group") and what in said[0]
+    assert not convs.use("grouped", x[:1], w, (1, 1), (1, 1), (1, 1)) and len(said) == 1  # said once
+
+
+def test_a_shape_first_met_in_a_capture_takes_cudnn_and_a_checked_one_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    _torch_kernels(monkeypatch)
+    convs = tconv.Convs(lambda s: None)
+    x = torch.randn(2, 16, 6, 5).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(2, 16, 8, 3, 3)
+    assert not convs.use("grouped", x.contiguous(), w, (1, 1), (1, 1), (1, 1))  # not channels_last: not for the kernels
+    assert not convs.use("grouped", x, w.bfloat16(), (1, 1), (1, 1), (1, 1))  # dtypes apart
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    cuda_like = _CudaLike(x)
+    assert not convs.use("grouped", cuda_like, w, (1, 1), (1, 1), (1, 1)) and not convs.checked  # unchecked in a capture: cuDNN's
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert convs.use("grouped", x, w, (1, 1), (1, 1), (1, 1)) and len(convs.checked) == 1
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert convs.use("grouped", x, w, (1, 1), (1, 1), (1, 1))  # checked before: the kernels, also in a capture
+
+
+class _CudaLike(torch.Tensor):
+    """A CPU tensor that reports is_cuda (only `use`'s capture test reads it)."""
+
+    def __new__(cls, t: torch.Tensor) -> "_CudaLike":
+        return t.as_subclass(cls)  # type: ignore[return-value]
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def test_why_not_says_when_a_group_keeps_cudnn(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("triton", reason="Triton is not installed here")
+    cuda = torch.device("cuda")  # a device object only: nothing runs on it
+    layers = [nn.Conv2d(3, 4, 3), nn.ReLU()]
+    assert tconv.why_not(layers, cuda, True) is None
+    assert tconv.why_not(layers, torch.device("cpu"), True) == "not a CUDA channels_last group"
+    assert tconv.why_not(layers, cuda, False) == "not a CUDA channels_last group"
+    assert tconv.why_not([nn.Linear(2, 2)], cuda, True) == "no convolution"
+    monkeypatch.setenv("MPSRUN_FUSED_CONV", "off")
+    assert tconv.why_not(layers, cuda, True) == "MPSRUN_FUSED_CONV=0"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the kernels compiled for a GPU)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_cnn_step_with_the_kernels_is_cudnn_s_cuda(dtype: torch.dtype) -> None:
+    """16 members of a small CNN (shared batch: a dense first convolution; then grouped ones), one forward and
+    backward with the kernels and with cuDNN's convolutions: the same loss and gradients within TF32's / bf16's
+    rounding, every convolution through the kernels, nothing said."""
+    from mpsrun.sweep.fused.layers import Stacked
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+                            nn.MaxPool2d(2), nn.Conv2d(64, 16, 5, padding=4, dilation=2), nn.Flatten(), nn.Linear(16 * 8 * 8, 10)).to(dev)
+              for _ in range(16)]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for shared in (True, False):
+        xin = torch.randn(16 if not shared else 1, 64, 3, 32, 32, device=dev, generator=gen)
+        xs = xin.expand(16, *xin.shape[1:]) if shared else xin
+        res, said = [], []
+        for use in (True, False):
+            st = Stacked(models)
+            st.pack, st.channels_last = True, True
+            st.convs = tconv.Convs(said.append) if use else None
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                y = st(xs)
+            y.float().square().mean().backward()
+            res.append([y.detach().float()] + [p.grad.float() for p in st.params])
+            if use:
+                assert {k[0] for k in st.convs.checked} == ({"grouped", "shared"} if shared else {"grouped"})
+        assert said == []
+        tol = 3e-2 if dtype == torch.bfloat16 else 1e-2
+        for i, (a, b) in enumerate(zip(*res)):
+            err = float((a - b).abs().max() / b.abs().max())
+            assert err <= tol, (shared, i, err)
