@@ -86,6 +86,7 @@ class Stacked:
         self.pack = False
         self.channels_last = False
         self.pools: Any = None  # packed.FastPools: the packed stage's max-pools as Triton kernels (graphed.group_for, CUDA)
+        self.convs: Any = None  # tconv.Convs: the packed stage's convolutions as Triton kernels (graphed.group_for, CUDA)
         self._order: tuple[bool, list[int]] | None = None  # (pack, the layers' order) as order() worked it out
 
     def train(self, mode: bool = True) -> None:
@@ -121,14 +122,14 @@ class Stacked:
             layer, slot, p = self.layers[i], self.where[i], self.p_drop[i]
             if isinstance(layer, nn.Conv2d) or (packed and isinstance(layer, PACKED)):
                 if not packed and isinstance(layer, nn.Conv2d) and x.stride(0) == 0 and m > 1:
-                    x, packed = shared_conv(layer, slot, x[0], self.channels_last), True  # one batch for all: no groups
+                    x, packed = shared_conv(layer, slot, x[0], self.channels_last, self.convs), True  # one batch for all: no groups
                     continue
                 if not packed:
                     x, packed = pack(x, self.channels_last), True
                 if isinstance(layer, nn.MaxPool2d) and self.pools is not None:
                     x = self.pools(layer, x)
                     continue
-                x = packed_layer(layer, slot, x, m, self.training)
+                x = packed_layer(layer, slot, x, m, self.training, self.convs)
                 continue
             if packed:
                 x, packed = unpack(x, m), False

@@ -37,25 +37,30 @@ def unpack(y: torch.Tensor, m: int) -> torch.Tensor:
     return y.reshape(y.shape[0], m, y.shape[1] // m, *y.shape[2:]).transpose(0, 1)
 
 
-def shared_conv(layer: nn.Conv2d, slot: dict[str, torch.Tensor], x: torch.Tensor, channels_last: bool) -> torch.Tensor:
+def shared_conv(layer: nn.Conv2d, slot: dict[str, torch.Tensor], x: torch.Tensor, channels_last: bool, convs: Any = None) -> torch.Tensor:
     """Every member's convolution of one shared batch [B, C, H, W] as one dense convolution with M*out filters.
 
     Why: members that share a seed share each batch; a grouped convolution would copy it M times and run
     cuDNN's grouped kernels, where this is one ordinary convolution whose output is already packed."""
     w = slot["weight"]
     x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
+    if convs is not None and not isinstance(layer.padding, str):  # tconv.Convs: the weight gradient as a Triton kernel
+        from mpsrun.sweep.fused.tconv import SharedConv
+
+        return SharedConv.apply(x, w, slot.get("bias"), tuple(layer.stride), tuple(layer.padding), tuple(layer.dilation), convs)
     bias = slot["bias"].reshape(-1) if "bias" in slot else None
     return F.conv2d(x, w.reshape(-1, *w.shape[2:]), bias, layer.stride, layer.padding, layer.dilation)
 
 
-def packed_layer(layer: nn.Module, slot: dict[str, torch.Tensor], y: torch.Tensor, m: int, training: bool) -> torch.Tensor:
-    """One layer on packed members: a convolution grouped by member, a batch-norm over every member's channels."""
+def packed_layer(layer: nn.Module, slot: dict[str, torch.Tensor], y: torch.Tensor, m: int, training: bool, convs: Any = None) -> torch.Tensor:
+    """One layer on packed members: a convolution grouped by member, a batch-norm over every member's channels.
+    `convs` (tconv.Convs, CUDA groups): the convolutions as Triton kernels where checked, else cuDNN's."""
     if isinstance(layer, nn.Conv2d):
         if isinstance(layer.padding, str):  # 'same' / 'valid': torch's grouped convolution and its own backward
             w = slot["weight"]
             bias = slot["bias"].reshape(-1) if "bias" in slot else None
             return F.conv2d(y, w.reshape(m * w.shape[1], *w.shape[2:]), bias, layer.stride, layer.padding, layer.dilation, groups=m)
-        return _GroupedConv.apply(y, slot["weight"], slot.get("bias"), tuple(layer.stride), tuple(layer.padding), tuple(layer.dilation))
+        return _GroupedConv.apply(y, slot["weight"], slot.get("bias"), tuple(layer.stride), tuple(layer.padding), tuple(layer.dilation), convs)
     if isinstance(layer, nn.BatchNorm2d):
         flat = lambda t: t.reshape(-1) if t is not None else None  # noqa: E731 - views: running stats update in place
         if training and "num_batches_tracked" in slot:
@@ -82,28 +87,43 @@ class _GroupedConv(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: tuple, padding: tuple, dilation: tuple) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: tuple, padding: tuple, dilation: tuple,  # type: ignore[override]
+                convs: Any = None) -> torch.Tensor:
         x, w, b = amp_cast(x, w, b)  # bf16 autocast: what a convolution reads, cast and saved for the backward
         ctx.save_for_backward(x, w)
-        ctx.conf = (stride, padding, dilation, b is not None)
+        # tconv's kernels where the group has them and this shape passed its check (forward and input gradient: stride 1)
+        use = convs is not None and convs.use("grouped", x, w, stride, padding, dilation)
+        ctx.conf = (stride, padding, dilation, b is not None, use)
         m = w.shape[0]
+        if use and tuple(stride) == (1, 1):
+            from mpsrun.sweep.fused import tconv
+
+            return tconv.conv_fwd(x, w, b, padding, dilation, m)
         return F.conv2d(x, w.reshape(-1, *w.shape[2:]), b.reshape(-1) if b is not None else None, stride, padding, dilation, groups=m)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:  # type: ignore[override]
         x, w = ctx.saved_tensors
         g = g.to(x.dtype)
-        stride, padding, dilation, has_bias = ctx.conf
+        stride, padding, dilation, has_bias, use = ctx.conf
         m, cout = w.shape[0], w.shape[1]
         gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
+        if use:
+            from mpsrun.sweep.fused import tconv
+
+            g = g.contiguous(memory_format=torch.channels_last)
+            if ctx.needs_input_grad[0] and tuple(stride) == (1, 1):
+                gx = tconv.conv_dgrad(g, w, tuple(x.shape), padding, dilation)
+            if ctx.needs_input_grad[1]:
+                gw = tconv.conv_wgrad(g, x, tuple(w.shape), padding, dilation, stride)
+        if ctx.needs_input_grad[0] and gx is None:
             gx = torch.ops.aten.convolution_backward(g, x, w.reshape(-1, *w.shape[2:]), None, list(stride), list(padding), list(dilation),
                                                      False, [0, 0], m, [True, False, False])[0]
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and gw is None:
             gw = _wgrad(g, x, tuple(w.shape), stride, padding, dilation)
         if has_bias and ctx.needs_input_grad[2]:
             gb = g.sum((0, 2, 3)).view(m, cout)
-        return gx, gw, gb, None, None, None
+        return gx, gw, gb, None, None, None, None
 
 
 def _wgrad(g: torch.Tensor, x: torch.Tensor, wshape: tuple, stride: tuple, padding: tuple, dilation: tuple) -> torch.Tensor:
