@@ -92,7 +92,7 @@ class _GroupedConv(torch.autograd.Function):
         x, w, b = amp_cast(x, w, b)  # bf16 autocast: what a convolution reads, cast and saved for the backward
         ctx.save_for_backward(x, w)
         # tconv's kernels where the group has them and this shape passed its check (forward and input gradient: stride 1)
-        use = convs is not None and convs.use("grouped", x, w, stride, padding, dilation)
+        use = convs is not None and convs.use("grouped", x, w, stride, padding, dilation, b is not None)
         ctx.conf = (stride, padding, dilation, b is not None, use)
         m = w.shape[0]
         if use and tuple(stride) == (1, 1):

@@ -32,7 +32,10 @@ import torch
 
 _kernels: dict[str, Any] = {}
 
-BLOCK_P = 64  # output positions per program (forward) / rows per inner step (weight gradient)
+# Tiles: one fixed choice per kernel, no autotuning (each variant compiled costs a user seconds of start-up).
+# fwd: (positions per program, most output channels, most input channels per dot, warps)
+# wgrad: (rows per inner step, most output channels, most flattened (ci, kh, kw) columns, warps)
+CFG = {"fwd": (64, 64, 32, 4), "wgrad": (64, 64, 32, 4)}
 WGRAD_PROGRAMS = 1024  # about this many programs for a weight gradient: a few waves on a 132-SM GPU
 WGRAD_MIN_ROWS = 512  # rows per split at least (partials stay small against the sum)
 
@@ -81,9 +84,9 @@ def _build() -> dict[str, Any]:
     def conv_wgrad_k(g_ptr, x_ptr, part_ptr, P, ROWS, M, H, W, OH, OW, CIN, COUT, XC, YC, PH, PW, SH, SW, NKB,
                      DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
                      BP: tl.constexpr, BCO: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
-        s = tl.program_id(0)  # which slice of the rows
+        s = tl.program_id(1)  # which slice of the rows
         ncb = tl.cdiv(COUT, BCO)
-        pid = tl.program_id(1)
+        pid = tl.program_id(0)  # the column block varies fastest: neighbours read the same grad_out rows (L2)
         kb = pid % NKB
         cb = (pid // NKB) % ncb
         m = pid // (NKB * ncb)
@@ -166,11 +169,12 @@ def _implicit(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor | None, padd
     if y.numel() == 0:
         return y
     p = n * oh * ow
-    bco, bci = _pow2(cout, 16, 64), _pow2(cin, 16, 32)
-    grid = (k["cdiv"](p, BLOCK_P), m * k["cdiv"](cout, bco))
+    bp, hi_co, hi_ci, warps = CFG["fwd"]
+    bco, bci = _pow2(cout, 16, hi_co), _pow2(cin, 16, hi_ci)
+    grid = (k["cdiv"](p, bp), m * k["cdiv"](cout, bco))
     k["fwd"][grid](x, wr, bias if bias is not None else wr, y, p, h, w, oh, ow, cin, cout, xc, m * cout, ph, pw,
-                   DH=dh, DW=dw, KH=kh, KW=kw, HAS_BIAS=bias is not None, BP=BLOCK_P, BCO=bco, BCI=bci,
-                   PREC=_prec(x.dtype), UP=_up(x.dtype), num_warps=4)
+                   DH=dh, DW=dw, KH=kh, KW=kw, HAS_BIAS=bias is not None, BP=bp, BCO=bco, BCI=bci,
+                   PREC=_prec(x.dtype), UP=_up(x.dtype), num_warps=warps)
     return y
 
 
@@ -207,16 +211,17 @@ def conv_wgrad(g: torch.Tensor, x: torch.Tensor, wshape: tuple, padding: tuple, 
     oh, ow = g.shape[2], g.shape[3]
     p = n * oh * ow
     kdim = cin * kh * kw
-    bco, bk = _pow2(cout, 16, 64), _pow2(kdim, 16, 32)
+    bp, hi_co, hi_k, warps = CFG["wgrad"]
+    bco, bk = _pow2(cout, 16, hi_co), _pow2(kdim, 16, hi_k)
     nkb = k["cdiv"](kdim, bk)
     tiles = m * k["cdiv"](cout, bco) * nkb
     splits = max(1, min(k["cdiv"](WGRAD_PROGRAMS, tiles), k["cdiv"](p, WGRAD_MIN_ROWS)))
-    rows = k["cdiv"](k["cdiv"](p, splits), BLOCK_P) * BLOCK_P
+    rows = k["cdiv"](k["cdiv"](p, splits), bp) * bp
     splits = k["cdiv"](p, rows)
     part = torch.empty((splits, m, cout, kdim), device=x.device, dtype=torch.float32)
-    k["wgrad"][(splits, tiles)](g, x, part, p, rows, m, h, w, oh, ow, cin, cout, xc, g.shape[1], padding[0], padding[1],
+    k["wgrad"][(tiles, splits)](g, x, part, p, rows, m, h, w, oh, ow, cin, cout, xc, g.shape[1], padding[0], padding[1],
                                 stride[0], stride[1], nkb, DH=dilation[0], DW=dilation[1], KH=kh, KW=kw,
-                                BP=BLOCK_P, BCO=bco, BK=bk, PREC=_prec(x.dtype), UP=_up(x.dtype), num_warps=4)
+                                BP=bp, BCO=bco, BK=bk, PREC=_prec(x.dtype), UP=_up(x.dtype), num_warps=warps)
     return (part[0] if splits == 1 else part.sum(0)).view(m, cout, cin, kh, kw)
 
 
@@ -254,21 +259,22 @@ def _tol(dtype: torch.dtype) -> float:
 
 
 def check(kind: str, xshape: tuple, wshape: tuple, dtype: torch.dtype, device: torch.device, stride: tuple, padding: tuple,
-          dilation: tuple) -> None:
+          dilation: tuple, has_bias: bool = True) -> None:
     """The kernels against cuDNN (aten's convolution and its backward) on random inputs of this shape; raises Mismatch.
 
     kind "grouped": forward and input gradient (stride 1) and weight gradient of a member-grouped convolution;
     "shared": the weight gradient of one dense convolution (wshape's M is 1). A private generator: the run's
-    random streams are untouched."""
+    random streams are untouched. The kernels are called as the run will call them (bias or not): each variant
+    Triton compiles here, never inside a CUDA graph capture."""
     gen = torch.Generator(device=device).manual_seed(0)
     m, cout, cin, kh, kw = wshape
     x = torch.randn(xshape, device=device, generator=gen).to(dtype).contiguous(memory_format=torch.channels_last)
     w = torch.randn(wshape, device=device, generator=gen).to(dtype)
-    b = torch.randn(m, cout, device=device, generator=gen).to(dtype)
+    b = torch.randn(m, cout, device=device, generator=gen).to(dtype) if has_bias else None
     wf = w.reshape(m * cout, cin, kh, kw)
     groups = m if kind == "grouped" else 1
     with torch.autocast(device.type, enabled=False):
-        ref = torch.ops.aten.convolution(x, wf, b.reshape(-1), list(stride), list(padding), list(dilation), False, [0, 0], groups)
+        ref = torch.ops.aten.convolution(x, wf, b.reshape(-1) if b is not None else None, list(stride), list(padding), list(dilation), False, [0, 0], groups)
         g = torch.randn(ref.shape, device=device, generator=gen).to(dtype).contiguous(memory_format=torch.channels_last)
         rgx, rgw, _ = torch.ops.aten.convolution_backward(g, x, wf, None, list(stride), list(padding), list(dilation), False, [0, 0],
                                                           groups, [True, True, False])
@@ -294,17 +300,17 @@ class Convs:
         self.checked: set[tuple] = set()
         self.off: str | None = None
 
-    def use(self, kind: str, x: torch.Tensor, w: torch.Tensor, stride: tuple, padding: tuple, dilation: tuple) -> bool:
+    def use(self, kind: str, x: torch.Tensor, w: torch.Tensor, stride: tuple, padding: tuple, dilation: tuple, has_bias: bool = True) -> bool:
         if self.off is not None or not fits(x) or w.dtype != x.dtype:
             return False
         key = (kind, tuple(x.shape), tuple(w.shape), x.dtype, tuple(stride), tuple(padding), tuple(dilation),
-               bool(torch.backends.cudnn.allow_tf32))
+               bool(torch.backends.cudnn.allow_tf32), has_bias)
         if key in self.checked:
             return True
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return False
         try:
-            check(kind, tuple(x.shape), tuple(w.shape), x.dtype, x.device, stride, padding, dilation)
+            check(kind, tuple(x.shape), tuple(w.shape), x.dtype, x.device, stride, padding, dilation, has_bias)
         except Mismatch as e:
             self.off = str(e)
             self.say(f"convolutions: cuDNN's for this group, not the fused Triton kernels ({e})")
