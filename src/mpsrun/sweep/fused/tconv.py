@@ -303,6 +303,10 @@ class Convs:
     def use(self, kind: str, x: torch.Tensor, w: torch.Tensor, stride: tuple, padding: tuple, dilation: tuple, has_bias: bool = True) -> bool:
         if self.off is not None or not fits(x) or w.dtype != x.dtype:
             return False
+        n, _, h, wd = x.shape
+        oh, ow = _out(h, w.shape[3], padding[0], dilation[0], stride[0]), _out(wd, w.shape[4], padding[1], dilation[1], stride[1])
+        if oh < 1 or ow < 1 or n * w.shape[0] * w.shape[1] * oh * ow >= 2**31:  # the output (grad_out) too: 32-bit offsets
+            return False
         key = (kind, tuple(x.shape), tuple(w.shape), x.dtype, tuple(stride), tuple(padding), tuple(dilation),
                bool(torch.backends.cudnn.allow_tf32), has_bias)
         if key in self.checked:
