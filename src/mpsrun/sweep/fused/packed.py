@@ -83,7 +83,8 @@ class _GroupedConv(torch.autograd.Function):
     forward and the input gradient take 0.17 ms each). Unfolded, each member's weight gradient is
     grad_out^T @ columns: one `bmm` for all members, at the precision cuDNN gives the convolution
     (TF32 where torch.backends.cudnn.allow_tf32, the default; fp32 otherwise). The forward and the
-    input gradient stay cuDNN's.
+    input gradient stay cuDNN's. Where the group has `convs` (tconv.Convs: graphed CUDA groups) and the shape
+    passed its check, all three are tconv's Triton kernels instead (input gradient and forward: stride 1).
     """
 
     @staticmethod
