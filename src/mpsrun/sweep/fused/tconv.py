@@ -82,7 +82,7 @@ def _build() -> dict[str, Any]:
 
     @triton.jit
     def conv_wgrad_k(g_ptr, x_ptr, part_ptr, P, ROWS, M, H, W, OH, OW, CIN, COUT, XC, YC, PH, PW, SH, SW, NKB,
-                     DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr,
+                     DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, TAP: tl.constexpr,
                      BP: tl.constexpr, BCO: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
         s = tl.program_id(1)  # which slice of the rows
         ncb = tl.cdiv(COUT, BCO)
@@ -92,13 +92,21 @@ def _build() -> dict[str, Any]:
         m = pid // (NKB * ncb)
         K = CIN * KH * KW
         co = cb * BCO + tl.arange(0, BCO)
-        kk = kb * BK + tl.arange(0, BK)  # flattened (ci, kh, kw), the weight's own order
         comask = co < COUT
-        kmask = kk < K
-        ci = kk // (KH * KW)
-        kh = (kk // KW) % KH
-        kw = kk % KW
-        xoff = (kh * DH) * W + kw * DW  # the tap's shift, in pixels
+        if TAP:  # a block of one tap's channels: each row's BK channels are contiguous (vector loads)
+            ncib = tl.cdiv(CIN, BK)
+            tap = kb // ncib
+            ci = (kb % ncib) * BK + tl.arange(0, BK)
+            kmask = ci < CIN
+            kh = tap // KW + ci * 0
+            kw = tap % KW + ci * 0
+            kk = (ci * KH + kh) * KW + kw  # the weight's own (ci, kh, kw) order
+        else:  # flattened (ci, kh, kw) columns: a few-channel layer fills its tiles
+            kk = kb * BK + tl.arange(0, BK)
+            kmask = kk < K
+            ci = kk // (KH * KW)
+            kh = (kk // KW) % KH
+            kw = kk % KW
         acc = tl.zeros((BCO, BK), dtype=tl.float32)
         start = s * ROWS
         for p0 in range(start, start + ROWS, BP):
@@ -108,11 +116,17 @@ def _build() -> dict[str, Any]:
             oh = (pp // OW) % OH
             n = pp // (OW * OH)
             a = tl.load(g_ptr + pp[None, :] * YC + m * COUT + co[:, None], mask=pmask[None, :] & comask[:, None], other=0.0)
-            ih = (oh * SH - PH)[:, None] + (kh * DH)[None, :]
-            iw = (ow * SW - PW)[:, None] + (kw * DW)[None, :]
-            ok = pmask[:, None] & kmask[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            pix = ((n * H + oh * SH - PH) * W + ow * SW - PW)[:, None] + xoff[None, :]
-            b = tl.load(x_ptr + pix * XC + (m * CIN + ci)[None, :], mask=ok, other=0.0)
+            if TAP:
+                ih = oh * SH - PH + (tap // KW) * DH
+                iw = ow * SW - PW + (tap % KW) * DW
+                ok = pmask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+                b = tl.load(x_ptr + ((n * H + ih) * W + iw)[:, None] * XC + (m * CIN + ci)[None, :], mask=ok[:, None] & kmask[None, :],
+                            other=0.0)
+            else:
+                ih = (oh * SH - PH)[:, None] + (kh * DH)[None, :]
+                iw = (ow * SW - PW)[:, None] + (kw * DW)[None, :]
+                ok = pmask[:, None] & kmask[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+                b = tl.load(x_ptr + ((n[:, None] * H + ih) * W + iw) * XC + (m * CIN + ci)[None, :], mask=ok, other=0.0)
             if UP:
                 a, b = a.to(tl.float32), b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=PREC)
@@ -212,15 +226,16 @@ def conv_wgrad(g: torch.Tensor, x: torch.Tensor, wshape: tuple, padding: tuple, 
     p = n * oh * ow
     kdim = cin * kh * kw
     bp, hi_co, hi_k, warps = CFG["wgrad"]
-    bco, bk = _pow2(cout, 16, hi_co), _pow2(kdim, 16, hi_k)
-    nkb = k["cdiv"](kdim, bk)
+    tap = cin >= 16  # one tap's channels a block (contiguous loads); fewer channels: flattened (ci, kh, kw) columns
+    bco, bk = _pow2(cout, 16, hi_co), _pow2(cin if tap else kdim, 16, hi_k)
+    nkb = kh * kw * k["cdiv"](cin, bk) if tap else k["cdiv"](kdim, bk)
     tiles = m * k["cdiv"](cout, bco) * nkb
     splits = max(1, min(k["cdiv"](WGRAD_PROGRAMS, tiles), k["cdiv"](p, WGRAD_MIN_ROWS)))
     rows = k["cdiv"](k["cdiv"](p, splits), bp) * bp
     splits = k["cdiv"](p, rows)
     part = torch.empty((splits, m, cout, kdim), device=x.device, dtype=torch.float32)
     k["wgrad"][(tiles, splits)](g, x, part, p, rows, m, h, w, oh, ow, cin, cout, xc, g.shape[1], padding[0], padding[1],
-                                stride[0], stride[1], nkb, DH=dilation[0], DW=dilation[1], KH=kh, KW=kw,
+                                stride[0], stride[1], nkb, DH=dilation[0], DW=dilation[1], KH=kh, KW=kw, TAP=tap,
                                 BP=bp, BCO=bco, BK=bk, PREC=_prec(x.dtype), UP=_up(x.dtype), num_warps=warps)
     return (part[0] if splits == 1 else part.sum(0)).view(m, cout, cin, kh, kw)
 
