@@ -180,16 +180,19 @@ def test_why_not_says_when_a_group_keeps_cudnn(monkeypatch: pytest.MonkeyPatch) 
     assert tconv.why_not(layers, torch.device("cpu"), True) == "not a CUDA channels_last group"
     assert tconv.why_not(layers, cuda, False) == "not a CUDA channels_last group"
     assert tconv.why_not([nn.Linear(2, 2)], cuda, True) == "no convolution"
+    assert tconv.why_not(layers, cuda, True, torch.float16) is None
+    assert "fp32" in (tconv.why_not(layers, cuda, True, torch.float32) or "")  # measured slower than cuDNN's TF32: not taken
     monkeypatch.setenv("MPSRUN_FUSED_CONV", "off")
     assert tconv.why_not(layers, cuda, True) == "MPSRUN_FUSED_CONV=0"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the kernels compiled for a GPU)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_packed_cnn_step_with_the_kernels_is_cudnn_s_cuda(dtype: torch.dtype) -> None:
+def test_a_packed_cnn_step_with_the_kernels_is_as_close_as_cudnn_s_cuda(dtype: torch.dtype) -> None:
     """16 members of a small CNN (shared batch: a dense first convolution; then grouped ones), one forward and
-    backward with the kernels and with cuDNN's convolutions: the same loss and gradients within TF32's / bf16's
-    rounding, every convolution through the kernels, nothing said."""
+    backward with the kernels and with cuDNN's convolutions, each against exact fp32 (cuDNN, TF32 off): the kernels'
+    loss and gradients as close to it as cuDNN's own at this precision (TF32 / bf16 rounding, in another order),
+    every convolution through the kernels, nothing said. A wrong tap, sign or member is off by the values' order."""
     from mpsrun.sweep.fused.layers import Stacked
 
     dev = torch.device("cuda")
@@ -198,22 +201,28 @@ def test_a_packed_cnn_step_with_the_kernels_is_cudnn_s_cuda(dtype: torch.dtype) 
                             nn.MaxPool2d(2), nn.Conv2d(64, 16, 5, padding=4, dilation=2), nn.Flatten(), nn.Linear(16 * 8 * 8, 10)).to(dev)
               for _ in range(16)]
     gen = torch.Generator(device=dev).manual_seed(0)
-    for shared in (True, False):
-        xin = torch.randn(16 if not shared else 1, 64, 3, 32, 32, device=dev, generator=gen)
-        xs = xin.expand(16, *xin.shape[1:]) if shared else xin
-        res, said = [], []
-        for use in (True, False):
-            st = Stacked(models)
-            st.pack, st.channels_last = True, True
-            st.convs = tconv.Convs(said.append) if use else None
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-                y = st(xs)
-            y.float().square().mean().backward()
-            res.append([y.detach().float()] + [p.grad.float() for p in st.params])
-            if use:
-                assert {k[0] for k in st.convs.checked} == ({"grouped", "shared"} if shared else {"grouped"})
-        assert said == []
-        tol = 3e-2 if dtype == torch.bfloat16 else 1e-2
-        for i, (a, b) in enumerate(zip(*res)):
-            err = float((a - b).abs().max() / b.abs().max())
-            assert err <= tol, (shared, i, err)
+    tf32 = torch.backends.cudnn.allow_tf32
+    try:
+        for shared in (True, False):
+            xin = torch.randn(16 if not shared else 1, 64, 3, 32, 32, device=dev, generator=gen)
+            xs = xin.expand(16, *xin.shape[1:]) if shared else xin
+            res, said = [], []
+            for use, half, exact in ((False, False, True), (True, dtype == torch.bfloat16, False), (False, dtype == torch.bfloat16, False)):
+                torch.backends.cudnn.allow_tf32 = not exact
+                st = Stacked(models)
+                st.pack, st.channels_last = True, True
+                st.convs = tconv.Convs(said.append) if use else None
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=half):
+                    y = st(xs)
+                y.float().square().mean().backward()
+                res.append([y.detach().float()] + [p.grad.float() for p in st.params])
+                if use:
+                    assert {k[0] for k in st.convs.checked} == ({"grouped", "shared"} if shared else {"grouped"})
+            assert said == []
+            ref, got, cudnn = res
+            for i, (r, a, c) in enumerate(zip(ref, got, cudnn)):
+                scale = r.abs().max()
+                err, base = float((a - r).abs().max() / scale), float((c - r).abs().max() / scale)
+                assert err <= 2 * base + 1e-4, (shared, i, err, base)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32

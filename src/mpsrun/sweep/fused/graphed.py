@@ -57,7 +57,7 @@ def group_for(b: Built, say: Callable[[str], None]) -> tuple[Group, str]:
                 note += f"; pools: torch's max-pool kernels, not the fused ones ({why})"
             from mpsrun.sweep.fused import tconv
 
-            why = tconv.why_not(b.stacked.layers, b.device, b.stacked.channels_last)
+            why = tconv.why_not(b.stacked.layers, b.device, b.stacked.channels_last, b.amp or torch.float32)
             if why is None:
                 b.stacked.convs = tconv.Convs(say)
                 note += "; convolutions as Triton implicit-GEMM kernels (checked against cuDNN at each shape)"
