@@ -12,6 +12,7 @@ import textwrap
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 BIN = Path(sys.executable).parent
 MPSRUN = str(BIN / "mpsrun")
@@ -155,3 +156,22 @@ def plugin_site(root: Path, name: str = "heldplug", source: str = HELD_PLUGIN, m
     eps = ["[mpsrun.models]"] + [f"{k} = {name}_mod:{v}" for k, v in (models or {"held_mlp": "held_mlp"}).items()]
     (info / "entry_points.txt").write_text("\n".join(eps) + "\n")
     return site
+
+
+def in_triton_interpreter(code: str, timeout: int = 300) -> Any:
+    """Run `code` in a child Python under Triton's CPU interpreter (TRITON_INTERPRET=1 must be set before triton is
+    imported, hence a child) and return the JSON of its last line of output.
+
+    Why one helper: the kernels' tests check their Triton code this way on a machine without a GPU; on a CUDA
+    machine each file's `_cuda` test runs the compiled kernels instead, so this skips there (and without Triton)."""
+    import json
+
+    import pytest
+    import torch
+
+    pytest.importorskip("triton", reason="Triton is not installed here (it ships with torch's Linux wheels)")
+    if torch.cuda.is_available():
+        pytest.skip("on a CUDA machine the _cuda test runs the kernels themselves")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

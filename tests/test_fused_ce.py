@@ -6,9 +6,6 @@ on a CUDA machine the `_cuda` test runs the compiled kernel against torch's.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,6 +13,7 @@ from torch import nn
 
 from mpsrun.train.kernels import fused_ce
 from mpsrun.train.loop.losses import TaskLoss
+from tests.proc_helpers import in_triton_interpreter
 
 CHECK = """
 import torch, json
@@ -42,14 +40,7 @@ print(json.dumps(out))
 
 
 def test_fused_cross_entropy_matches_torch_in_tritons_interpreter() -> None:
-    pytest.importorskip("triton", reason="Triton is not installed here (it ships with torch's Linux wheels)")
-    if torch.cuda.is_available():
-        pytest.skip("on a CUDA machine the _cuda test runs the kernel itself")
-    r = subprocess.run([sys.executable, "-c", CHECK], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    import json
-
-    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = in_triton_interpreter(CHECK)
     assert len(rows) == 5
     for n, c, dtype, dloss, dgrad, dsum, dplain, gdtype in rows:
         tol = 1e-2 if "bfloat16" in dtype else 1e-5

@@ -7,10 +7,6 @@ against torch's, inside a CUDA graph as the engine replays them.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +15,7 @@ from torch import nn
 from mpsrun.train.assemble import _fuse_layers
 from mpsrun.train.kernels import fused_linear
 from mpsrun.train.loop.steps import Options
+from tests.proc_helpers import in_triton_interpreter
 
 CHECK = """
 import copy, json, torch
@@ -79,12 +76,7 @@ print(json.dumps(out))
 
 
 def test_fused_linear_matches_torch_in_tritons_interpreter() -> None:
-    pytest.importorskip("triton", reason="Triton is not installed here (it ships with torch's Linux wheels)")
-    if torch.cuda.is_available():
-        pytest.skip("on a CUDA machine the _cuda test runs the kernels themselves")
-    r = subprocess.run([sys.executable, "-c", CHECK], env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = in_triton_interpreter(CHECK)
     assert [row[0] for row in rows] == ["mlp", "mlp", "mlp", "in_relu", "nan", "split", "check"]
     for _, dims, n, dy, dg, fp32 in rows[:3]:
         assert dy < 1e-5 and dg < 1e-5 and fp32, (dims, n, dy, dg)  # fp32 against fp64: rounding only

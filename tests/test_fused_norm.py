@@ -7,10 +7,6 @@ kernels inside CUDA graphs against torch's batch-norm.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +15,7 @@ from torch import nn
 from mpsrun.train.assemble import _fuse_norms
 from mpsrun.train.kernels import fused_norm, norm_graph
 from mpsrun.train.loop.steps import Options
+from tests.proc_helpers import in_triton_interpreter
 
 CHECK = """
 import json, torch, torchvision
@@ -66,12 +63,7 @@ print(json.dumps(out))
 
 
 def test_the_kernels_are_torch_s_batch_norm_in_triton_s_interpreter() -> None:
-    pytest.importorskip("triton", reason="Triton is not installed here")
-    if torch.cuda.is_available():
-        pytest.skip("on a CUDA machine the _cuda test runs the kernels themselves")
-    done = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = in_triton_interpreter(CHECK, timeout=600)
     assert [r[0] for r in rows] == ["checked"] * 6 + ["long", "resnet18", "mobilenet_v2", "efficientnet_b0"]
     described = {}
     for arch, ours, theirs, text, left in rows[-3:]:  # (output, gradients, running statistics) off from float64

@@ -7,10 +7,6 @@ inside CUDA graphs against the same run with torch's max-pool.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +15,7 @@ from torch import nn
 from mpsrun.train.assemble import _fuse_pools
 from mpsrun.train.kernels import fused_pool
 from mpsrun.train.loop.steps import Options
+from tests.proc_helpers import in_triton_interpreter
 
 CHECK = """
 import json, torch
@@ -54,13 +51,7 @@ print(json.dumps(out))
 
 
 def test_the_kernels_give_torch_s_answers_in_triton_s_interpreter() -> None:
-    pytest.importorskip("triton", reason="Triton is not installed here")
-    if torch.cuda.is_available():
-        pytest.skip("on a CUDA machine the _cuda test runs the kernels themselves")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = in_triton_interpreter(CHECK)
     assert [r[0] for r in out] == ["checked"] * 4 + ["swap"]
     _, modules, calls, same_out, same_grads, left_behind = out[-1]
     assert modules == 2 and calls == 2  # both pools ran through the kernels

@@ -7,10 +7,6 @@ kernels and with cuDNN's convolutions.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpsrun.sweep.fused import tconv
+from tests.proc_helpers import in_triton_interpreter
 
 CHECK = """
 import json, torch
@@ -83,13 +80,7 @@ print(json.dumps(out))
 
 
 def test_the_kernels_give_torch_s_convolutions_in_triton_s_interpreter() -> None:
-    pytest.importorskip("triton", reason="Triton is not installed here")
-    if torch.cuda.is_available():
-        pytest.skip("on a CUDA machine the _cuda test runs the kernels themselves")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = in_triton_interpreter(CHECK)
     assert len(out["kernels"]) == 11
     for dtype, errs in out["kernels"]:
         # bf16: the output's rounding (the interpreter rounds toward zero: one bf16 step, 2**-7 of the value at most)
