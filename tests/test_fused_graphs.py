@@ -250,3 +250,27 @@ def test_packed_stages_under_bf16_autocast_give_the_member_by_member_layout_s_ou
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0)
     for a, b in zip(outs[0][1], outs[1][1]):
         assert float((a - b).abs().max()) <= 2e-2 * float(a.abs().max()) + 1e-6
+
+
+def test_fast_pools_that_triton_cannot_build_leave_the_group_on_torch_s_and_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packed stage's max-pool kernels (FastPools) on a GPU where Triton cannot build them: torch's max-pool, the
+    same numbers, said once; the trial goes on (a compile error used to escape the check and fail the group)."""
+    from torch import nn
+
+    from mpsrun.sweep.fused import packed
+    from mpsrun.train.kernels import fused_pool
+
+    def cannot_build(*a: object, **k: object) -> None:
+        raise RuntimeError("triton: PassManager::run failed")
+
+    monkeypatch.setattr(fused_pool, "fits", lambda y: True)  # a CPU tensor stands in for a CUDA one: only the check runs
+    monkeypatch.setattr(fused_pool, "check", cannot_build)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # no CUDA driver here to ask
+    pool = nn.MaxPool2d(2)
+    said: list[str] = []
+    pools = packed.FastPools([nn.Conv2d(3, 4, 3), nn.ReLU(), pool], said.append)
+    y = torch.randn(2, 4, 6, 6).contiguous(memory_format=torch.channels_last)
+    assert torch.equal(pools(pool, y), pool(y))
+    assert pools.off == "RuntimeError: triton: PassManager::run failed"
+    assert said == ["pools: torch's max-pool kernels for this group, not the fused ones (RuntimeError: triton: PassManager::run failed)"]
+    assert torch.equal(pools(pool, y[:1]), pool(y[:1])) and len(said) == 1

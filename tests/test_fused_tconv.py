@@ -217,3 +217,20 @@ def test_a_packed_cnn_step_with_the_kernels_is_as_close_as_cudnn_s_cuda(dtype: t
                 assert err <= 2 * base + 1e-4, (shared, i, err, base)
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
+
+
+def test_a_kernel_triton_cannot_build_leaves_the_group_on_cudnn_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU the tiles do not fit (Triton's OutOfResources at compile) or a Triton that cannot compile them: the check
+    raises something other than Mismatch; the group must go on with cuDNN's convolutions, said once, not fail its trials."""
+    def cannot_build(*a: object, **k: object) -> None:
+        raise RuntimeError("out of resource: shared memory, Required: 263168, Hardware limit: 232448\nmore lines")
+
+    monkeypatch.setattr(tconv, "check", cannot_build)
+    said: list[str] = []
+    convs = tconv.Convs(said.append)
+    x = torch.randn(2, 16, 6, 5).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(2, 16, 8, 3, 3)
+    assert not convs.use("grouped", x, w, (1, 1), (1, 1), (1, 1))
+    assert convs.off == "RuntimeError: out of resource: shared memory, Required: 263168, Hardware limit: 232448"
+    assert said == [f"convolutions: cuDNN's for this group, not the fused Triton kernels ({convs.off})"]
+    assert not convs.use("shared", x, w[:1], (1, 1), (1, 1), (1, 1)) and len(said) == 1  # said once; cuDNN's from here on

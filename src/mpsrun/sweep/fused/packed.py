@@ -182,8 +182,8 @@ def _matmul_like_conv(t: torch.Tensor) -> Iterator[None]:
 class FastPools:
     """The packed stage's max-pools as the solo engine's Triton kernels (train/kernels/fused_pool.py).
 
-    Checked against torch's max-pool once per shape outside any capture (the warm-up steps); a mismatch
-    turns them off for the group, said through `say`. `why_not` says why they were not used at all."""
+    Checked against torch's max-pool once per shape outside any capture (the warm-up steps); a mismatch, or a
+    kernel Triton cannot build for this GPU, turns them off for the group, said through `say`. `why_not` says why they were not used at all."""
 
     def __init__(self, layers: list[nn.Module], say: Any) -> None:
         from mpsrun.train.kernels import fused_pool
@@ -220,9 +220,9 @@ class FastPools:
                 return layer(y)
             try:
                 self.k.check(tuple(y.shape), y.dtype, y.device, geo)
-            except self.k.Mismatch as e:
-                self.off = str(e)
-                self.say(f"pools: torch's max-pool kernels for this group, not the fused ones ({e})")
+            except Exception as e:  # noqa: BLE001 - a Mismatch, or a kernel Triton cannot build for this GPU
+                self.off = str(e) if isinstance(e, self.k.Mismatch) else f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                self.say(f"pools: torch's max-pool kernels for this group, not the fused ones ({self.off})")
                 return layer(y)
             self.checked.add(key)
         return self.k.max_pool(y, layer, geo)  # type: ignore[arg-type]

@@ -338,7 +338,8 @@ class Convs:
     """A packed group's convolutions through these kernels, each shape checked once outside any capture.
 
     `use` says whether a call may take the kernels: never at a shape first met during a CUDA graph capture
-    (cuDNN's then, not a guess), never after a mismatch (the group then says so through `say`, once)."""
+    (cuDNN's then, not a guess), never after a mismatch or a kernel Triton could not build for this GPU (the group
+    then says so through `say`, once, and trains on with cuDNN's: a compile error is no reason to fail a trial)."""
 
     def __init__(self, say: Any) -> None:
         self.say = say
@@ -360,9 +361,10 @@ class Convs:
             return False
         try:
             check(kind, tuple(x.shape), tuple(w.shape), x.dtype, x.device, stride, padding, dilation, has_bias)
-        except Mismatch as e:
-            self.off = str(e)
-            self.say(f"convolutions: cuDNN's for this group, not the fused Triton kernels ({e})")
+        except Exception as e:  # noqa: BLE001 - a Mismatch, or a kernel Triton cannot build for this GPU (e.g. too little shared memory)
+            why = str(e) if isinstance(e, Mismatch) else f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            self.off = why
+            self.say(f"convolutions: cuDNN's for this group, not the fused Triton kernels ({why})")
             return False
         self.checked.add(key)
         return True
