@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                  "| --- |" + " ---: |" * len(PHASES)]
         for label, out_text in TRACES.items():
             text += breakdown(label, out_text)
-            text += [f"    {ln}" for ln in out_text.splitlines() if ln.startswith(("sweep-trace-group", "sweep-trace-total"))]
+            text += [f"    {ln}" for ln in out_text.splitlines() if ln.startswith(("sweep-trace-group", "sweep-trace-total", "sweep-trace-capture", "sweep-trace-check"))]
     if lines:
         text += ["", "Fused groups of fashion members, the engine alone (trial-epochs per second):", ""] + lines
     print("\n".join(text))

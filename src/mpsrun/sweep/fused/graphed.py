@@ -165,7 +165,10 @@ class GraphedGroup(Group):
         key = (kind, k, bs)
         if key in self.graphs:
             return self.graphs[key]
-        t0 = time.perf_counter()
+        from mpsrun.sweep import trace
+
+        tracing = trace.enabled()  # the warm-up (checks, compiles, cuDNN's plans) and the capture apart, synchronised
+        t0 = t1 = time.perf_counter()
         dev = self.b.device
         idx = torch.zeros(k, len(pairs), bs, dtype=torch.long, device=dev)  # row 0 for the warm-up: any valid row
         snap = self._snapshot()
@@ -177,6 +180,9 @@ class GraphedGroup(Group):
                     for _ in range(WARMUP):
                         self._step(kind, pairs, which, idx[0])
                 torch.cuda.current_stream(dev).wait_stream(side)
+                if tracing:
+                    torch.cuda.synchronize(dev)
+                    t1 = time.perf_counter()
                 self.b.opt.zero_grad()
                 g = torch.cuda.CUDAGraph()
                 if self.dropout and kind == "train" and self.b.stacked.generators:
@@ -197,6 +203,9 @@ class GraphedGroup(Group):
         self._restore(snap)  # the warm-up's steps taught nothing; the captured ones did not run
         self.graphs[key] = (g, idx)
         self.capture_s += time.perf_counter() - t0
+        if tracing:
+            trace.emit(f"sweep-trace-capture kind={kind} steps={k} batch={bs} members={len(self.active)} warmup={t1 - t0:.3f} "
+                       f"capture={time.perf_counter() - t1:.3f}")
         return self.graphs[key]
 
     # -- what a warm-up changes, undone in place (the graphs keep pointers to these very tensors)

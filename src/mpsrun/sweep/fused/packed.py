@@ -219,7 +219,10 @@ class FastPools:
             if torch.cuda.is_current_stream_capturing():  # never checked at this shape: torch's, not a guess
                 return layer(y)
             try:
-                self.k.check(tuple(y.shape), y.dtype, y.device, geo)
+                from mpsrun.sweep.fused.tconv import timed_check
+
+                with timed_check(f"pool x={tuple(y.shape)}", y.device):
+                    self.k.check(tuple(y.shape), y.dtype, y.device, geo)
             except Exception as e:  # noqa: BLE001 - a Mismatch, or a kernel Triton cannot build for this GPU
                 self.off = str(e) if isinstance(e, self.k.Mismatch) else f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
                 self.say(f"pools: torch's max-pool kernels for this group, not the fused ones ({self.off})")

@@ -26,7 +26,9 @@ Tensor offsets are 32-bit: `fits` refuses tensors of 2**31 elements or more.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import time
+from typing import Any, Iterator
 
 import torch
 
@@ -334,6 +336,22 @@ def _compare(kind: str, xshape: tuple, wshape: tuple, dtype: torch.dtype, got: l
             raise Mismatch(f"conv {kind} x{tuple(xshape)} w{tuple(wshape)} {dtype}: the {what} is {err:.2g} from cuDNN's (relative to its largest)")
 
 
+@contextlib.contextmanager
+def timed_check(what: str, device: torch.device) -> Iterator[None]:
+    """Under MPSRUN_SWEEP_TRACE, one `sweep-trace-check` line a shape: a check's seconds (a first compile of a kernel
+    by Triton, cuDNN's reference), the part of a fused group's first epoch that is neither warm-up nor capture."""
+    from mpsrun.sweep import trace
+
+    if not trace.enabled():
+        yield
+        return
+    t0 = time.perf_counter()
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    trace.emit(f"sweep-trace-check {what} s={time.perf_counter() - t0:.3f}")
+
+
 class Convs:
     """A packed group's convolutions through these kernels, each shape checked once outside any capture.
 
@@ -360,7 +378,8 @@ class Convs:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             return False
         try:
-            check(kind, tuple(x.shape), tuple(w.shape), x.dtype, x.device, stride, padding, dilation, has_bias)
+            with timed_check(f"conv kind={kind} x={tuple(x.shape)} w={tuple(w.shape)} bias={int(has_bias)}", x.device):
+                check(kind, tuple(x.shape), tuple(w.shape), x.dtype, x.device, stride, padding, dilation, has_bias)
         except Exception as e:  # noqa: BLE001 - a Mismatch, or a kernel Triton cannot build for this GPU (e.g. too little shared memory)
             why = str(e) if isinstance(e, Mismatch) else f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             self.off = why
