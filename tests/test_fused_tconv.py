@@ -13,14 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpsrun.sweep.fused import tconv
+from mpsrun.sweep.fused.kernels import convcheck, tconv
 from tests.proc_helpers import in_triton_interpreter
 
 CHECK = """
 import json, torch
 import torch.nn.functional as F
 from torch import nn
-from mpsrun.sweep.fused import tconv
+from mpsrun.sweep.fused.kernels import convcheck, tconv
 from mpsrun.sweep.fused.layers import Stacked
 torch.backends.cudnn.allow_tf32 = False  # exact fp32 products ("ieee")
 gen = torch.Generator().manual_seed(0)
@@ -51,8 +51,8 @@ for m, n, cin, cout, h, w, k, p, d, s, bias, dt in CASES:
         errs[what] = [list(a.shape) == list(r.shape), str(a.dtype), layout, float((a.float() - r).abs().max() / r.abs().max())]
     out["kernels"].append([str(dt), errs])
 # each check passes at a grouped shape and at a dense first layer's
-tconv.check("grouped", (2, 16, 6, 5), (2, 16, 8, 3, 3), torch.float32, torch.device("cpu"), (1, 1), (1, 1), (1, 1))
-tconv.check("shared", (2, 3, 6, 5), (1, 32, 3, 3, 3), torch.float32, torch.device("cpu"), (1, 1), (1, 1), (1, 1))
+convcheck.check("grouped", (2, 16, 6, 5), (2, 16, 8, 3, 3), torch.float32, torch.device("cpu"), (1, 1), (1, 1), (1, 1))
+convcheck.check("shared", (2, 3, 6, 5), (1, 32, 3, 3, 3), torch.float32, torch.device("cpu"), (1, 1), (1, 1), (1, 1))
 # a packed CNN's step with the kernels and with torch's convolutions: members sharing a batch (a dense first
 # convolution) and members with their own batches (every convolution grouped)
 torch.manual_seed(0)
@@ -66,7 +66,7 @@ for shared in (True, False):
     for use in (True, False):
         st = Stacked(models)
         st.pack, st.channels_last = True, True
-        st.convs = tconv.Convs(said.append) if use else None
+        st.convs = convcheck.Convs(said.append) if use else None
         y = st(xs)
         y.square().sum().backward()
         res.append([y.detach()] + [p.grad for p in st.params])
@@ -122,13 +122,13 @@ def test_a_kernel_that_is_off_is_caught_by_the_check_and_the_group_says_so(monke
     """`check` is what stands between a wrong kernel and a run: each of the three results is compared."""
     _torch_kernels(monkeypatch)
     args = ((2, 16, 6, 5), (2, 16, 8, 3, 3), torch.float32, torch.device("cpu"), (1, 1), (1, 1), (1, 1))
-    tconv.check("grouped", *args)  # right kernels pass
+    convcheck.check("grouped", *args)  # right kernels pass
     _torch_kernels(monkeypatch, wrong)
     what = {"fwd": "output", "dgrad": "input gradient", "wgrad": "weight gradient"}[wrong]
-    with pytest.raises(tconv.Mismatch, match=what):
-        tconv.check("grouped", *args)
+    with pytest.raises(convcheck.Mismatch, match=what):
+        convcheck.check("grouped", *args)
     said: list[str] = []
-    convs = tconv.Convs(said.append)
+    convs = convcheck.Convs(said.append)
     x = torch.randn(2, 16, 6, 5).contiguous(memory_format=torch.channels_last)
     w = torch.randn(2, 16, 8, 3, 3)
     assert not convs.use("grouped", x, w, (1, 1), (1, 1), (1, 1))  # cuDNN's from here on, for every shape
@@ -138,7 +138,7 @@ def test_a_kernel_that_is_off_is_caught_by_the_check_and_the_group_says_so(monke
 
 def test_a_shape_first_met_in_a_capture_takes_cudnn_and_a_checked_one_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     _torch_kernels(monkeypatch)
-    convs = tconv.Convs(lambda s: None)
+    convs = convcheck.Convs(lambda s: None)
     x = torch.randn(2, 16, 6, 5).contiguous(memory_format=torch.channels_last)
     w = torch.randn(2, 16, 8, 3, 3)
     assert not convs.use("grouped", x.contiguous(), w, (1, 1), (1, 1), (1, 1))  # not channels_last: not for the kernels
@@ -167,18 +167,18 @@ def test_why_not_says_when_a_group_keeps_cudnn(monkeypatch: pytest.MonkeyPatch) 
     pytest.importorskip("triton", reason="Triton is not installed here")
     cuda = torch.device("cuda")  # a device object only: nothing runs on it
     layers = [nn.Conv2d(3, 4, 3), nn.ReLU()]
-    assert tconv.why_not(layers, cuda, True) is None
-    assert tconv.why_not(layers, torch.device("cpu"), True) == "not a CUDA channels_last group"
-    assert tconv.why_not(layers, cuda, False) == "not a CUDA channels_last group"
-    assert tconv.why_not([nn.Linear(2, 2)], cuda, True) == "no convolution"
-    assert tconv.why_not(layers, cuda, True, torch.float16) is None
-    assert "fp32" in (tconv.why_not(layers, cuda, True, torch.float32) or "")  # measured slower than cuDNN's TF32: not taken
+    assert convcheck.why_not(layers, cuda, True) is None
+    assert convcheck.why_not(layers, torch.device("cpu"), True) == "not a CUDA channels_last group"
+    assert convcheck.why_not(layers, cuda, False) == "not a CUDA channels_last group"
+    assert convcheck.why_not([nn.Linear(2, 2)], cuda, True) == "no convolution"
+    assert convcheck.why_not(layers, cuda, True, torch.float16) is None
+    assert "fp32" in (convcheck.why_not(layers, cuda, True, torch.float32) or "")  # measured slower than cuDNN's TF32: not taken
     monkeypatch.setenv("MPSRUN_FUSED_CONV", "off")
-    assert tconv.why_not(layers, cuda, True) == "MPSRUN_FUSED_CONV=0"
+    assert convcheck.why_not(layers, cuda, True) == "MPSRUN_FUSED_CONV=0"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the kernels compiled for a GPU)")
-@pytest.mark.parametrize("dtype", [torch.bfloat16])  # what a group runs them in (tconv.why_not: fp32 groups keep cuDNN's)
+@pytest.mark.parametrize("dtype", [torch.bfloat16])  # what a group runs them in (convcheck.why_not: fp32 groups keep cuDNN's)
 def test_a_packed_cnn_step_with_the_kernels_is_as_close_as_cudnn_s_cuda(dtype: torch.dtype) -> None:
     """16 members of a small CNN (shared batch: a dense first convolution; then grouped ones), one forward and
     backward with the kernels and with cuDNN's convolutions, each against exact fp32 (cuDNN, TF32 off): the kernels'
@@ -202,7 +202,7 @@ def test_a_packed_cnn_step_with_the_kernels_is_as_close_as_cudnn_s_cuda(dtype: t
                 torch.backends.cudnn.allow_tf32 = not exact
                 st = Stacked(models)
                 st.pack, st.channels_last = True, True
-                st.convs = tconv.Convs(said.append) if use else None
+                st.convs = convcheck.Convs(said.append) if use else None
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=half):
                     y = st(xs)
                 y.float().square().mean().backward()
@@ -225,9 +225,9 @@ def test_a_kernel_triton_cannot_build_leaves_the_group_on_cudnn_and_says_so(monk
     def cannot_build(*a: object, **k: object) -> None:
         raise RuntimeError("out of resource: shared memory, Required: 263168, Hardware limit: 232448\nmore lines")
 
-    monkeypatch.setattr(tconv, "check", cannot_build)
+    monkeypatch.setattr(convcheck, "check", cannot_build)
     said: list[str] = []
-    convs = tconv.Convs(said.append)
+    convs = convcheck.Convs(said.append)
     x = torch.randn(2, 16, 6, 5).contiguous(memory_format=torch.channels_last)
     w = torch.randn(2, 16, 8, 3, 3)
     assert not convs.use("grouped", x, w, (1, 1), (1, 1), (1, 1))

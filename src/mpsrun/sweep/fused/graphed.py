@@ -55,11 +55,11 @@ def group_for(b: Built, say: Callable[[str], None]) -> tuple[Group, str]:
                 note += "; max-pools as the solo engine's Triton kernels (checked against torch's at each shape)"
             elif why not in ("no max-pool", "not a CUDA channels_last group"):
                 note += f"; pools: torch's max-pool kernels, not the fused ones ({why})"
-            from mpsrun.sweep.fused import tconv
+            from mpsrun.sweep.fused.kernels import convcheck
 
-            why = tconv.why_not(b.stacked.layers, b.device, b.stacked.channels_last, b.amp or torch.float32)
+            why = convcheck.why_not(b.stacked.layers, b.device, b.stacked.channels_last, b.amp or torch.float32)
             if why is None:
-                b.stacked.convs = tconv.Convs(say)
+                b.stacked.convs = convcheck.Convs(say)
                 note += "; convolutions as Triton implicit-GEMM kernels (checked against cuDNN at each shape)"
             elif why != "not a CUDA channels_last group":
                 note += f"; convolutions: cuDNN's, not the fused Triton kernels ({why})"

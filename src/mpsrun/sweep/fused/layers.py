@@ -86,7 +86,7 @@ class Stacked:
         self.pack = False
         self.channels_last = False
         self.pools: Any = None  # packed.FastPools: the packed stage's max-pools as Triton kernels (graphed.group_for, CUDA)
-        self.convs: Any = None  # tconv.Convs: the packed stage's convolutions as Triton kernels (graphed.group_for, CUDA)
+        self.convs: Any = None  # convcheck.Convs: the packed stage's convolutions as Triton kernels (graphed.group_for, CUDA)
         self._order: tuple[bool, list[int]] | None = None  # (pack, the layers' order) as order() worked it out
 
     def train(self, mode: bool = True) -> None:

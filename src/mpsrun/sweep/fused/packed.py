@@ -44,8 +44,8 @@ def shared_conv(layer: nn.Conv2d, slot: dict[str, torch.Tensor], x: torch.Tensor
     cuDNN's grouped kernels, where this is one ordinary convolution whose output is already packed."""
     w = slot["weight"]
     x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
-    if convs is not None and not isinstance(layer.padding, str):  # tconv.Convs: the weight gradient as a Triton kernel
-        from mpsrun.sweep.fused.tconv import SharedConv
+    if convs is not None and not isinstance(layer.padding, str):  # convcheck.Convs: the weight gradient as a Triton kernel
+        from mpsrun.sweep.fused.kernels.tconv import SharedConv
 
         return SharedConv.apply(x, w, slot.get("bias"), tuple(layer.stride), tuple(layer.padding), tuple(layer.dilation), convs)
     bias = slot["bias"].reshape(-1) if "bias" in slot else None
@@ -54,7 +54,7 @@ def shared_conv(layer: nn.Conv2d, slot: dict[str, torch.Tensor], x: torch.Tensor
 
 def packed_layer(layer: nn.Module, slot: dict[str, torch.Tensor], y: torch.Tensor, m: int, training: bool, convs: Any = None) -> torch.Tensor:
     """One layer on packed members: a convolution grouped by member, a batch-norm over every member's channels.
-    `convs` (tconv.Convs, CUDA groups): the convolutions as Triton kernels where checked, else cuDNN's."""
+    `convs` (convcheck.Convs, CUDA groups): the convolutions as Triton kernels where checked, else cuDNN's."""
     if isinstance(layer, nn.Conv2d):
         if isinstance(layer.padding, str):  # 'same' / 'valid': torch's grouped convolution and its own backward
             w = slot["weight"]
@@ -83,7 +83,7 @@ class _GroupedConv(torch.autograd.Function):
     forward and the input gradient take 0.17 ms each). Unfolded, each member's weight gradient is
     grad_out^T @ columns: one `bmm` for all members, at the precision cuDNN gives the convolution
     (TF32 where torch.backends.cudnn.allow_tf32, the default; fp32 otherwise). The forward and the
-    input gradient stay cuDNN's. Where the group has `convs` (tconv.Convs: graphed CUDA groups) and the shape
+    input gradient stay cuDNN's. Where the group has `convs` (convcheck.Convs: graphed CUDA groups) and the shape
     passed its check, all three are tconv's Triton kernels instead (input gradient and forward: stride 1).
     """
 
@@ -97,7 +97,7 @@ class _GroupedConv(torch.autograd.Function):
         ctx.conf = (stride, padding, dilation, b is not None, use)
         m = w.shape[0]
         if use and tuple(stride) == (1, 1):
-            from mpsrun.sweep.fused import tconv
+            from mpsrun.sweep.fused.kernels import tconv
 
             return tconv.conv_fwd(x, w, b, padding, dilation, m)
         return F.conv2d(x, w.reshape(-1, *w.shape[2:]), b.reshape(-1) if b is not None else None, stride, padding, dilation, groups=m)
@@ -110,7 +110,7 @@ class _GroupedConv(torch.autograd.Function):
         m, cout = w.shape[0], w.shape[1]
         gx = gw = gb = None
         if use:
-            from mpsrun.sweep.fused import tconv
+            from mpsrun.sweep.fused.kernels import tconv
 
             g = g.contiguous(memory_format=torch.channels_last)
             if ctx.needs_input_grad[0] and tuple(stride) == (1, 1):
@@ -219,7 +219,7 @@ class FastPools:
             if torch.cuda.is_current_stream_capturing():  # never checked at this shape: torch's, not a guess
                 return layer(y)
             try:
-                from mpsrun.sweep.fused.tconv import timed_check
+                from mpsrun.sweep.fused.kernels.convcheck import timed_check
 
                 with timed_check(f"pool x={tuple(y.shape)}", y.device):
                     self.k.check(tuple(y.shape), y.dtype, y.device, geo)
