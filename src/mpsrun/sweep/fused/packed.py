@@ -84,7 +84,8 @@ class _GroupedConv(torch.autograd.Function):
     grad_out^T @ columns: one `bmm` for all members, at the precision cuDNN gives the convolution
     (TF32 where torch.backends.cudnn.allow_tf32, the default; fp32 otherwise). The forward and the
     input gradient stay cuDNN's. Where the group has `convs` (convcheck.Convs: graphed CUDA groups) and the shape
-    passed its check, all three are tconv's Triton kernels instead (input gradient and forward: stride 1).
+    passed its check, all three are tconv's Triton kernels instead (input gradient: stride 1; forward: any stride for
+    fewer than tconv.FLAT_CIN input channels, else stride 1), the bias gradient summed in the weight gradient's kernel.
     """
 
     @staticmethod
@@ -96,10 +97,11 @@ class _GroupedConv(torch.autograd.Function):
         use = convs is not None and convs.use("grouped", x, w, stride, padding, dilation, b is not None)
         ctx.conf = (stride, padding, dilation, b is not None, use)
         m = w.shape[0]
-        if use and tuple(stride) == (1, 1):
+        if use:
             from mpsrun.sweep.fused.kernels import tconv
 
-            return tconv.conv_fwd(x, w, b, padding, dilation, m)
+            if tconv.forward_ok(w.shape[2], stride):
+                return tconv.conv_fwd(x, w, b, padding, dilation, m, stride)
         return F.conv2d(x, w.reshape(-1, *w.shape[2:]), b.reshape(-1) if b is not None else None, stride, padding, dilation, groups=m)
 
     @staticmethod
@@ -116,13 +118,16 @@ class _GroupedConv(torch.autograd.Function):
             if ctx.needs_input_grad[0] and tuple(stride) == (1, 1):
                 gx = tconv.conv_dgrad(g, w, tuple(x.shape), padding, dilation)
             if ctx.needs_input_grad[1]:
-                gw = tconv.conv_wgrad(g, x, tuple(w.shape), padding, dilation, stride)
+                want_b = has_bias and ctx.needs_input_grad[2]
+                gw = tconv.conv_wgrad(g, x, tuple(w.shape), padding, dilation, stride, bias=want_b)
+                if want_b:  # the bias gradient from the same pass over g
+                    gw, gb = gw[0], gw[1].view(m, cout)
         if ctx.needs_input_grad[0] and gx is None:
             gx = torch.ops.aten.convolution_backward(g, x, w.reshape(-1, *w.shape[2:]), None, list(stride), list(padding), list(dilation),
                                                      False, [0, 0], m, [True, False, False])[0]
         if ctx.needs_input_grad[1] and gw is None:
             gw = _wgrad(g, x, tuple(w.shape), stride, padding, dilation)
-        if has_bias and ctx.needs_input_grad[2]:
+        if has_bias and ctx.needs_input_grad[2] and gb is None:
             gb = g.sum((0, 2, 3)).view(m, cout)
         return gx, gw, gb, None, None, None, None
 

@@ -60,9 +60,9 @@ def check(kind: str, xshape: tuple, wshape: tuple, dtype: torch.dtype, device: t
           dilation: tuple, has_bias: bool = True) -> None:
     """The kernels against cuDNN (aten's convolution and its backward) on random inputs of this shape; raises Mismatch.
 
-    kind "grouped": forward and input gradient (stride 1) and weight gradient of a member-grouped convolution;
-    "shared": the weight gradient of one dense convolution (wshape's M is 1). A private generator: the run's
-    random streams are untouched. The kernels are called as the run will call them (bias or not): each variant
+    kind "grouped": forward (tconv.forward_ok), input gradient (stride 1), weight and bias gradients of a member-grouped
+    convolution; "shared": the same of one dense convolution (wshape's M is 1) but the input gradient (cuDNN's).
+    A private generator: the run's random streams are untouched. The kernels are called as the run will call them (bias or not): each variant
     Triton compiles here, never inside a CUDA graph capture."""
     gen = torch.Generator(device=device).manual_seed(0)
     m, cout, cin, kh, kw = wshape
@@ -90,10 +90,15 @@ def _against_cudnn(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor 
         g = torch.randn(ref.shape, device=device, generator=gen).to(dtype).contiguous(memory_format=torch.channels_last)
         rgx, rgw, _ = torch.ops.aten.convolution_backward(g, x, wf, None, list(stride), list(padding), list(dilation), False, [0, 0],
                                                           groups, [True, True, False])
-        got = [("weight gradient", tconv.conv_wgrad(g, x, wshape, padding, dilation, stride), rgw.view(wshape))]
+        if b is not None:  # the bias gradient from the weight gradient's kernel, as the run takes it
+            gw, gb = tconv.conv_wgrad(g, x, wshape, padding, dilation, stride, bias=True)
+            got = [("weight gradient", gw, rgw.view(wshape)), ("bias gradient", gb, g.float().sum((0, 2, 3)).view(m, -1))]
+        else:
+            got = [("weight gradient", tconv.conv_wgrad(g, x, wshape, padding, dilation, stride), rgw.view(wshape))]
+        if tconv.forward_ok(wshape[2], stride):  # "shared": wshape is [1, M*Cout, ...], its bias [1, M*Cout]
+            got.append(("output", tconv.conv_fwd(x, w, b, padding, dilation, m, stride), ref))
         if kind == "grouped" and tuple(stride) == (1, 1):
-            got += [("output", tconv.conv_fwd(x, w, b, padding, dilation, m), ref),
-                    ("input gradient", tconv.conv_dgrad(g, w, xshape, padding, dilation), rgx)]
+            got.append(("input gradient", tconv.conv_dgrad(g, w, xshape, padding, dilation), rgx))
     return got
 
 

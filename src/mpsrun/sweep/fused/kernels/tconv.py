@@ -14,7 +14,13 @@ every member at once, reading the packed tensors where they lie:
 - `conv_wgrad`: gw[m, co, (ci, kh, kw)] = sum_p g[p, m*Cout+co] * x[shift(p, kh, kw), m*Cin+ci], the
   sum over p cut into S slices (split-K), each program writing fp32 partials, summed by torch after
   (deterministic, no atomics). The (ci, kh, kw) columns are one flattened axis, so a 3-channel first
-  layer fills its tiles (27 columns in a 32-wide tile) instead of padding each tap to 16.
+  layer fills its tiles (27 columns in a 32-wide tile) instead of padding each tap to 16. With a bias, the
+  programs of the first column block also sum their grad_out tiles over rows: the bias gradient's fp32 partials
+  [S, M, Cout], summed the same way (one pass over grad_out instead of a separate reduction after).
+- `conv_flat_k`: the forward of a few-channel convolution (Cin < FLAT_CIN) over the same flattened (ci, kh, kw)
+  axis, any stride, bias in the epilogue. Why: a 3-channel first layer padded each tap's 3 channels to a 16-wide
+  tile in `conv_fwd_k` (5x the work), and the dense first convolution of members sharing a batch went to cuDNN,
+  whose bias is a separate broadcast add over the whole output (on an H200, 16 members: 145 us + 189 us a step).
 
 Precision: fp32 inputs use TF32 tensor cores where `torch.backends.cudnn.allow_tf32` (cuDNN's own
 choice for convolutions) and exact fp32 ("ieee") otherwise; bf16/fp16 inputs accumulate in fp32 and
@@ -37,7 +43,9 @@ _kernels: dict[str, Any] = {}
 # wgrad: (rows per inner step, most output channels, most flattened (ci, kh, kw) columns, warps)
 # On an H200 (bf16, 16 members 32 -> 64 channels, 16x16): fwd 128-position tiles 0.141 ms, 64: 0.153 (cuDNN's grouped 0.358);
 # wgrad 64 rows 0.164 ms (the present unfolded bmm 0.911), and for a 3-channel dense first layer 0.071 (128 rows: 0.142).
-CFG = {"fwd": (128, 64, 32, 4), "wgrad": (64, 64, 32, 4)}
+# flat: (positions per program, most output channels, flattened (ci, kh, kw) columns per dot, warps)
+CFG = {"fwd": (128, 64, 32, 4), "wgrad": (64, 64, 32, 4), "flat": (128, 64, 32, 4)}
+FLAT_CIN = 16  # fewer input channels a member: the forward over flattened (ci, kh, kw) columns, any stride
 WGRAD_PROGRAMS = 1024  # about this many programs for a weight gradient: a few waves on a 132-SM GPU
 WGRAD_MIN_ROWS = 512  # rows per split at least (partials stay small against the sum)
 
@@ -83,8 +91,45 @@ def _build() -> dict[str, Any]:
         tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=pmask[:, None] & comask[None, :])
 
     @triton.jit
-    def conv_wgrad_k(g_ptr, x_ptr, part_ptr, P, ROWS, M, H, W, OH, OW, CIN, COUT, XC, YC, PH, PW, SH, SW, NKB,
+    def conv_flat_k(x_ptr, w_ptr, b_ptr, y_ptr, P, H, W, OH, OW, CIN, COUT, XC, YC, PH, PW, SH, SW, DH, DW,
+                    KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    BP: tl.constexpr, BCO: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
+        ncb = tl.cdiv(COUT, BCO)
+        m = tl.program_id(1) // ncb
+        co = (tl.program_id(1) % ncb) * BCO + tl.arange(0, BCO)
+        pp = tl.program_id(0) * BP + tl.arange(0, BP)
+        pmask = pp < P
+        comask = co < COUT
+        ow = pp % OW
+        oh = (pp // OW) % OH
+        n = pp // (OW * OH)
+        ih0 = oh * SH - PH
+        iw0 = ow * SW - PW
+        K = CIN * KH * KW
+        acc = tl.zeros((BP, BCO), dtype=tl.float32)
+        for k0 in range(0, K, BK):  # w rearranged: [M, CIN*KH*KW, COUT], the weight's own (ci, kh, kw) order
+            kk = k0 + tl.arange(0, BK)
+            kmask = kk < K
+            ci = kk // (KH * KW)
+            kh = (kk // KW) % KH
+            kw = kk % KW
+            ih = ih0[:, None] + (kh * DH)[None, :]
+            iw = iw0[:, None] + (kw * DW)[None, :]
+            ok = pmask[:, None] & kmask[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+            a = tl.load(x_ptr + ((n[:, None] * H + ih) * W + iw) * XC + (m * CIN + ci)[None, :], mask=ok, other=0.0)
+            b = tl.load(w_ptr + (m * K + kk)[:, None] * COUT + co[None, :], mask=kmask[:, None] & comask[None, :], other=0.0)
+            if UP:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + m * COUT + co, mask=comask, other=0.0).to(tl.float32)[None, :]
+        out = pp[:, None] * YC + m * COUT + co[None, :]
+        tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=pmask[:, None] & comask[None, :])
+
+    @triton.jit
+    def conv_wgrad_k(g_ptr, x_ptr, part_ptr, gb_ptr, P, ROWS, M, H, W, OH, OW, CIN, COUT, XC, YC, PH, PW, SH, SW, NKB,
                      DH: tl.constexpr, DW: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, TAP: tl.constexpr,
+                     HAS_BIAS: tl.constexpr,
                      BP: tl.constexpr, BCO: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, UP: tl.constexpr):
         s = tl.program_id(1)  # which slice of the rows
         ncb = tl.cdiv(COUT, BCO)
@@ -110,6 +155,7 @@ def _build() -> dict[str, Any]:
             kh = (kk // KW) % KH
             kw = kk % KW
         acc = tl.zeros((BCO, BK), dtype=tl.float32)
+        bacc = tl.zeros((BCO,), dtype=tl.float32)  # the bias gradient's partial: programs of the first column block only
         start = s * ROWS
         for p0 in range(start, start + ROWS, BP):
             pp = p0 + tl.arange(0, BP)
@@ -118,6 +164,9 @@ def _build() -> dict[str, Any]:
             oh = (pp // OW) % OH
             n = pp // (OW * OH)
             a = tl.load(g_ptr + pp[None, :] * YC + m * COUT + co[:, None], mask=pmask[None, :] & comask[:, None], other=0.0)
+            if HAS_BIAS:
+                if kb == 0:
+                    bacc += tl.sum(a.to(tl.float32), axis=1)
             if TAP:
                 ih = oh * SH - PH + (tap // KW) * DH
                 iw = ow * SW - PW + (tap % KW) * DW
@@ -134,8 +183,10 @@ def _build() -> dict[str, Any]:
             acc = tl.dot(a, b, acc, input_precision=PREC)
         base = (s * M + m) * COUT * K  # partials [S, M, COUT, K]
         tl.store(part_ptr + base + co[:, None] * K + kk[None, :], acc, mask=comask[:, None] & kmask[None, :])
+        if HAS_BIAS:
+            tl.store(gb_ptr + (s * M + m) * COUT + co, bacc, mask=comask & (kb == 0))  # partials [S, M, COUT]
 
-    _kernels.update(fwd=conv_fwd_k, wgrad=conv_wgrad_k, cdiv=triton.cdiv)
+    _kernels.update(fwd=conv_fwd_k, flat=conv_flat_k, wgrad=conv_wgrad_k, cdiv=triton.cdiv)
     return _kernels
 
 
@@ -194,11 +245,45 @@ def _implicit(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor | None, padd
     return y
 
 
-def conv_fwd(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, padding: tuple, dilation: tuple, groups_m: int) -> torch.Tensor:
-    """Each member's convolution, stride 1: x [N, M*Cin, H, W] channels_last, w [M, Cout, Cin, KH, KW], bias [M, Cout] or None.
-    Returns [N, M*Cout, OH, OW] channels_last in x's dtype."""
-    wr = w.to(x.dtype).permute(0, 3, 4, 2, 1).contiguous()  # [M, KH, KW, Cin, Cout]: a member's tap a [Cin, Cout] tile
+def forward_ok(cin: int, stride: tuple) -> bool:
+    """Whether `conv_fwd` takes a convolution of `cin` input channels a member at this stride: few channels (the
+    flattened kernel) at any stride, more at stride 1 (a tap's channels a tile)."""
+    return cin < FLAT_CIN or tuple(stride) == (1, 1)
+
+
+def _flat(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, stride: tuple, padding: tuple, dilation: tuple) -> torch.Tensor:
+    """The few-channel forward kernel: x [N, M*CIN, H, W] channels_last, w [M, COUT, CIN, KH, KW], bias [M*COUT] or None."""
+    k = _build()
+    m, cout, cin, kh, kw = w.shape
+    n, xc, h, wd = x.shape
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    oh, ow = _out(h, kh, ph, dh, sh), _out(wd, kw, pw, dw, sw)
+    y = torch.empty((n, m * cout, oh, ow), device=x.device, dtype=x.dtype, memory_format=torch.channels_last)
+    if y.numel() == 0:
+        return y
+    wr = w.to(x.dtype).reshape(m, cout, cin * kh * kw).transpose(1, 2).contiguous()  # [M, (ci, kh, kw), COUT]
+    p = n * oh * ow
+    bp, hi_co, hi_k, warps = CFG["flat"]
+    bco, bk = _pow2(cout, 16, hi_co), _pow2(cin * kh * kw, 16, hi_k)
+    grid = (k["cdiv"](p, bp), m * k["cdiv"](cout, bco))
+    k["flat"][grid](x, wr, bias if bias is not None else wr, y, p, h, wd, oh, ow, cin, cout, xc, m * cout, ph, pw, sh, sw, dh, dw,
+                    KH=kh, KW=kw, HAS_BIAS=bias is not None, BP=bp, BCO=bco, BK=bk, PREC=_prec(x.dtype), UP=_up(x.dtype),
+                    num_warps=warps)
+    return y
+
+
+def conv_fwd(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, padding: tuple, dilation: tuple, groups_m: int,
+             stride: tuple = (1, 1)) -> torch.Tensor:
+    """Each member's convolution: x [N, M*Cin, H, W] channels_last, w [M, Cout, Cin, KH, KW], bias [M, Cout] or None.
+    Returns [N, M*Cout, OH, OW] channels_last in x's dtype. Cin < FLAT_CIN: the flattened kernel (any stride);
+    else a tap at a time, stride 1 only (`forward_ok`)."""
     b = bias.reshape(-1).contiguous() if bias is not None else None
+    cin = w.shape[2]
+    if not forward_ok(cin, stride):
+        raise ValueError(f"conv_fwd: {cin} input channels at stride {tuple(stride)} (forward_ok: stride 1 from {FLAT_CIN} channels)")
+    if cin < FLAT_CIN:
+        return _flat(x, w, b, tuple(stride), tuple(padding), tuple(dilation))
+    wr = w.to(x.dtype).permute(0, 3, 4, 2, 1).contiguous()  # [M, KH, KW, Cin, Cout]: a member's tap a [Cin, Cout] tile
     return _implicit(x, wr, b, tuple(padding), tuple(dilation), groups_m)
 
 
@@ -216,11 +301,13 @@ def conv_dgrad(g: torch.Tensor, w: torch.Tensor, xshape: tuple, padding: tuple, 
     return gx
 
 
-def conv_wgrad(g: torch.Tensor, x: torch.Tensor, wshape: tuple, padding: tuple, dilation: tuple, stride: tuple = (1, 1)) -> torch.Tensor:
+def conv_wgrad(g: torch.Tensor, x: torch.Tensor, wshape: tuple, padding: tuple, dilation: tuple, stride: tuple = (1, 1),
+               bias: bool = False) -> Any:
     """Each member's weight gradient, fp32 [M, Cout, Cin, KH, KW]: g [N, M*Cout, OH, OW], x [N, M*Cin, H, W], both channels_last.
+    With `bias`, (weight gradient, bias gradient fp32 [M, Cout]): the bias's summed in the same pass over g.
 
     Split-K over the N*OH*OW rows: S slices, each program's [BCO, BK] tile summed over its slice into fp32
-    partials [S, M, Cout, Cin*KH*KW], then `sum(0)` (a deterministic order)."""
+    partials [S, M, Cout, Cin*KH*KW] (and [S, M, Cout] for the bias), then `sum(0)` (a deterministic order)."""
     k = _build()
     m, cout, cin, kh, kw = wshape
     n, xc, h, w = x.shape
@@ -236,18 +323,23 @@ def conv_wgrad(g: torch.Tensor, x: torch.Tensor, wshape: tuple, padding: tuple, 
     rows = k["cdiv"](k["cdiv"](p, splits), bp) * bp
     splits = k["cdiv"](p, rows)
     part = torch.empty((splits, m, cout, kdim), device=x.device, dtype=torch.float32)
-    k["wgrad"][(tiles, splits)](g, x, part, p, rows, m, h, w, oh, ow, cin, cout, xc, g.shape[1], padding[0], padding[1],
-                                stride[0], stride[1], nkb, DH=dilation[0], DW=dilation[1], KH=kh, KW=kw, TAP=tap,
+    bpart = torch.empty((splits, m, cout), device=x.device, dtype=torch.float32) if bias else part
+    k["wgrad"][(tiles, splits)](g, x, part, bpart, p, rows, m, h, w, oh, ow, cin, cout, xc, g.shape[1], padding[0], padding[1],
+                                stride[0], stride[1], nkb, DH=dilation[0], DW=dilation[1], KH=kh, KW=kw, TAP=tap, HAS_BIAS=bias,
                                 BP=bp, BCO=bco, BK=bk, PREC=_prec(x.dtype), UP=_up(x.dtype), num_warps=warps)
-    return (part[0] if splits == 1 else part.sum(0)).view(m, cout, cin, kh, kw)
+    gw = (part[0] if splits == 1 else part.sum(0)).view(m, cout, cin, kh, kw)
+    if not bias:
+        return gw
+    return gw, (bpart[0] if splits == 1 else bpart.sum(0))
 
 
 class SharedConv(torch.autograd.Function):
     """Every member's first convolution of one shared batch as one dense convolution (packed.shared_conv), its
-    weight gradient through `conv_wgrad`.
+    forward (few input channels: `conv_flat_k`, bias fused) and weight and bias gradients through these kernels.
 
     Why: for a 3-channel input cuDNN's dense weight gradient is a generic kernel plus a layout transform (on an
-    H200, 0.5 ms of a 16-member step). The forward stays cuDNN's; the input gradient too, where the input needs one
+    H200, 0.5 ms of a 16-member step), and its forward adds the bias in a separate pass over the whole output
+    (189 us a step beside its 145 us convolution). The input gradient stays cuDNN's, where the input needs one
     (a shared batch does not)."""
 
     @staticmethod
@@ -258,7 +350,10 @@ class SharedConv(torch.autograd.Function):
         x, w, b = amp_cast(x, w, b)
         ctx.save_for_backward(x, w)
         wf = w.reshape(-1, *w.shape[2:])
-        ctx.conf = (stride, padding, dilation, b is not None, convs.use("shared", x, wf.unsqueeze(0), stride, padding, dilation))
+        use = convs.use("shared", x, wf.unsqueeze(0), stride, padding, dilation, b is not None)
+        ctx.conf = (stride, padding, dilation, b is not None, use)
+        if use and forward_ok(wf.shape[1], stride):
+            return conv_fwd(x, wf.unsqueeze(0), b.reshape(1, -1) if b is not None else None, padding, dilation, 1, stride)
         return torch.nn.functional.conv2d(x, wf, b.reshape(-1) if b is not None else None, stride, padding, dilation)
 
     @staticmethod
@@ -274,9 +369,13 @@ class SharedConv(torch.autograd.Function):
             gx, gw, _ = torch.ops.aten.convolution_backward(g, x, wf, None, list(stride), list(padding), list(dilation), False, [0, 0], 1,
                                                             [ctx.needs_input_grad[0], want_w, False])
             gw = gw.view(w.shape) if want_w else None
+        want_b = has_bias and ctx.needs_input_grad[2]
         if ctx.needs_input_grad[1] and use:
             g = g.contiguous(memory_format=torch.channels_last)
-            gw = conv_wgrad(g, x, (1, *wf.shape), padding, dilation, stride).view(w.shape)
-        if has_bias and ctx.needs_input_grad[2]:
+            gw = conv_wgrad(g, x, (1, *wf.shape), padding, dilation, stride, bias=want_b)
+            if want_b:  # the bias gradient summed in the weight gradient's pass over g
+                gw, gb = gw[0], gw[1].view(m, cout)
+            gw = gw.view(w.shape)
+        if want_b and gb is None:
             gb = g.sum((0, 2, 3)).view(m, cout)
         return gx, gw, gb, None, None, None, None
