@@ -48,6 +48,9 @@ def group_for(b: Built, say: Callable[[str], None]) -> tuple[Group, str]:
         b.stacked.channels_last = r.channels_last is not False
         if on:
             from mpsrun.sweep.fused.packed import FastPools
+            from mpsrun.train import warm
+
+            warm.triton_key()  # on a thread while the group starts: the first kernel's launch would compute it
 
             why = FastPools.why_not(b.stacked.layers, b.device, b.stacked.channels_last)
             if why is None:
@@ -177,6 +180,7 @@ class GraphedGroup(Group):
                 side = torch.cuda.Stream(dev)
                 side.wait_stream(torch.cuda.current_stream(dev))
                 with torch.cuda.stream(side):
+                    self._check_kernels(kind, pairs, which, idx[0])
                     for _ in range(WARMUP):
                         self._step(kind, pairs, which, idx[0])
                 torch.cuda.current_stream(dev).wait_stream(side)
@@ -208,6 +212,20 @@ class GraphedGroup(Group):
                        f"capture={time.perf_counter() - t1:.3f}")
         return self.graphs[key]
 
+    def _check_kernels(self, kind: str, pairs: list[tuple[int, int]], which: torch.Tensor | None, idx: torch.Tensor) -> None:
+        """The group's own kernels (convolutions, max-pools) checked at every shape this graph meets, side by side:
+        one step on the library's ops collects the shapes, then each check (a first compile) runs on its own thread
+        (kernels/checked.py). Inside the warm-up: what the step changes is undone with the rest."""
+        st = self.b.stacked
+        owners = [o for o in (st.convs, st.pools) if o is not None and o.off is None]
+        if not owners:
+            return
+        from mpsrun.sweep.fused.kernels import checked
+
+        with checked.discovering(owners):
+            self._step(kind, pairs, which, idx)
+        checked.run_pending(owners, self.b.device, _build_kernels)
+
     # -- what a warm-up changes, undone in place (the graphs keep pointers to these very tensors)
     def _snapshot(self) -> dict[str, Any]:
         st = self.b.stacked
@@ -235,3 +253,15 @@ class GraphedGroup(Group):
 
 class _CaptureFailed(Exception):
     pass
+
+
+def _build_kernels() -> None:
+    """The kernels' Python objects made once, on this thread, before checks on threads use them (each thread would
+    otherwise make its own, and Triton compile each twice); Triton's cache key waited for (started at group_for)."""
+    from mpsrun.sweep.fused.kernels import tconv
+    from mpsrun.train import warm
+    from mpsrun.train.kernels import fused_pool
+
+    tconv._build()
+    fused_pool._build()
+    warm.wait_triton()

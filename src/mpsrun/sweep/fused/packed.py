@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpsrun.sweep.fused.amp import amp_cast
+from mpsrun.sweep.fused.kernels.checked import Checked
+from mpsrun.sweep.fused.kernels.convcheck import timed_check
 
 ELEMENTWISE = (nn.ReLU, nn.ReLU6, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.LeakyReLU, nn.ELU, nn.Identity, nn.Hardswish, nn.Mish)
 POOLS = (nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d)
@@ -184,20 +186,21 @@ def _matmul_like_conv(t: torch.Tensor) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32 = was
 
 
-class FastPools:
+class FastPools(Checked):
     """The packed stage's max-pools as the solo engine's Triton kernels (train/kernels/fused_pool.py).
 
     Checked against torch's max-pool once per shape outside any capture (the warm-up steps); a mismatch, or a
     kernel Triton cannot build for this GPU, turns them off for the group, said through `say`. `why_not` says why they were not used at all."""
 
+    fallback = "pools: torch's max-pool kernels for this group, not the fused ones"
+
     def __init__(self, layers: list[nn.Module], say: Any) -> None:
         from mpsrun.train.kernels import fused_pool
 
+        super().__init__(say)
         self.k = fused_pool
+        self.mismatch = (fused_pool.Mismatch,)
         self.geo = {id(m): geo for m, geo in fused_pool.candidates(nn.Sequential(*layers))}
-        self.checked: set[tuple] = set()
-        self.say = say
-        self.off: str | None = None
 
     @staticmethod
     def why_not(layers: list[nn.Module], device: torch.device, channels_last: bool) -> str | None:
@@ -219,18 +222,12 @@ class FastPools:
         geo = self.geo.get(id(layer))
         if geo is None or self.off is not None or not self.k.fits(y):
             return layer(y)
-        key = (tuple(y.shape), y.dtype, geo)
-        if key not in self.checked:
-            if torch.cuda.is_current_stream_capturing():  # never checked at this shape: torch's, not a guess
-                return layer(y)
-            try:
-                from mpsrun.sweep.fused.kernels.convcheck import timed_check
+        shape, dtype, device = tuple(y.shape), y.dtype, y.device
 
-                with timed_check(f"pool x={tuple(y.shape)}", y.device):
-                    self.k.check(tuple(y.shape), y.dtype, y.device, geo)
-            except Exception as e:  # noqa: BLE001 - a Mismatch, or a kernel Triton cannot build for this GPU
-                self.off = str(e) if isinstance(e, self.k.Mismatch) else f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                self.say(f"pools: torch's max-pool kernels for this group, not the fused ones ({self.off})")
-                return layer(y)
-            self.checked.add(key)
+        def run() -> None:
+            with timed_check(f"pool x={shape}", device):
+                self.k.check(shape, dtype, device, geo)
+
+        if not self.ready((shape, dtype, geo), run, y.is_cuda):
+            return layer(y)
         return self.k.max_pool(y, layer, geo)  # type: ignore[arg-type]

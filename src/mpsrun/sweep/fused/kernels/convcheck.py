@@ -14,6 +14,7 @@ from typing import Any, Iterator
 import torch
 
 from mpsrun.sweep.fused.kernels import tconv
+from mpsrun.sweep.fused.kernels.checked import Checked
 from mpsrun.sweep.fused.kernels.tconv import fits
 
 class Mismatch(RuntimeError):
@@ -126,17 +127,15 @@ def timed_check(what: str, device: torch.device) -> Iterator[None]:
     trace.emit(f"sweep-trace-check {what} s={time.perf_counter() - t0:.3f}")
 
 
-class Convs:
+class Convs(Checked):
     """A packed group's convolutions through these kernels, each shape checked once outside any capture.
 
     `use` says whether a call may take the kernels: never at a shape first met during a CUDA graph capture
     (cuDNN's then, not a guess), never after a mismatch or a kernel Triton could not build for this GPU (the group
     then says so through `say`, once, and trains on with cuDNN's: a compile error is no reason to fail a trial)."""
 
-    def __init__(self, say: Any) -> None:
-        self.say = say
-        self.checked: set[tuple] = set()
-        self.off: str | None = None
+    fallback = "convolutions: cuDNN's for this group, not the fused Triton kernels"
+    mismatch = (Mismatch,)
 
     def use(self, kind: str, x: torch.Tensor, w: torch.Tensor, stride: tuple, padding: tuple, dilation: tuple, has_bias: bool = True) -> bool:
         if self.off is not None or not fits(x) or w.dtype != x.dtype:
@@ -147,17 +146,10 @@ class Convs:
             return False
         key = (kind, tuple(x.shape), tuple(w.shape), x.dtype, tuple(stride), tuple(padding), tuple(dilation),
                bool(torch.backends.cudnn.allow_tf32), has_bias)
-        if key in self.checked:
-            return True
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return False
-        try:
-            with timed_check(f"conv kind={kind} x={tuple(x.shape)} w={tuple(w.shape)} bias={int(has_bias)}", x.device):
-                check(kind, tuple(x.shape), tuple(w.shape), x.dtype, x.device, stride, padding, dilation, has_bias)
-        except Exception as e:  # noqa: BLE001 - a Mismatch, or a kernel Triton cannot build for this GPU (e.g. too little shared memory)
-            why = str(e) if isinstance(e, Mismatch) else f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            self.off = why
-            self.say(f"convolutions: cuDNN's for this group, not the fused Triton kernels ({why})")
-            return False
-        self.checked.add(key)
-        return True
+        xs, ws, dtype, device = tuple(x.shape), tuple(w.shape), x.dtype, x.device
+
+        def run() -> None:
+            with timed_check(f"conv kind={kind} x={xs} w={ws} bias={int(has_bias)}", device):
+                check(kind, xs, ws, dtype, device, stride, padding, dilation, has_bias)
+
+        return self.ready(key, run, x.is_cuda)
