@@ -32,7 +32,10 @@ CASES = [(2, 2, 3, 16, 5, 7, 3, 1, 1, 1, True, torch.float32), (3, 1, 8, 16, 7, 
          (2, 2, 8, 16, 7, 9, 3, 1, 1, 2, False, torch.float32), (1, 2, 3, 64, 6, 6, 3, 1, 1, 1, False, torch.float32),
          # 16 channels and more: the weight gradient a tap at a time (contiguous channel blocks)
          (2, 1, 16, 16, 6, 5, 3, 2, 2, 1, False, torch.float32), (1, 2, 32, 16, 7, 6, 3, 1, 1, 2, True, torch.float32),
-         (2, 1, 32, 16, 5, 5, 3, 1, 1, 1, True, torch.bfloat16)]
+         (2, 1, 32, 16, 5, 5, 3, 1, 1, 1, True, torch.bfloat16),
+         # fewer than 16 channels: the flattened forward (conv_flat_k) at any stride; 7x7 over 3 channels is 5 column tiles
+         (1, 2, 1, 16, 9, 9, 7, 3, 1, 2, True, torch.bfloat16), (3, 1, 2, 8, 8, 7, 1, 0, 1, 2, False, torch.float32),
+         (2, 2, 3, 16, 11, 10, 7, 3, 2, 2, True, torch.float32), (1, 1, 8, 16, 7, 7, 3, 2, 1, 2, True, torch.bfloat16)]
 for m, n, cin, cout, h, w, k, p, d, s, bias, dt in CASES:
     x = torch.randn(n, m * cin, h, w, generator=gen).to(dt).contiguous(memory_format=torch.channels_last)
     wt = torch.randn(m, cout, cin, k, k, generator=gen).to(dt)
@@ -42,26 +45,37 @@ for m, n, cin, cout, h, w, k, p, d, s, bias, dt in CASES:
     g = torch.randn(ref.shape, generator=gen).to(dt).contiguous(memory_format=torch.channels_last)
     rgx, rgw = torch.autograd.grad(ref, (xr, wr), g.float())
     got = {"wgrad": (tconv.conv_wgrad(g, x, tuple(wt.shape), (p, p), (d, d), (s, s)), rgw)}
+    if bias:  # the bias gradient from the weight gradient's pass, which must stay the same
+        gw, gb = tconv.conv_wgrad(g, x, tuple(wt.shape), (p, p), (d, d), (s, s), bias=True)
+        got["wgrad+b"], got["bgrad"] = (gw, rgw), (gb, g.float().sum((0, 2, 3)).view(m, cout))
+    if tconv.forward_ok(cin, (s, s)):
+        got["fwd"] = (tconv.conv_fwd(x, wt, b, (p, p), (d, d), m, (s, s)), ref)
     if s == 1:
-        got["fwd"] = (tconv.conv_fwd(x, wt, b, (p, p), (d, d), m), ref)
         got["dgrad"] = (tconv.conv_dgrad(g, wt, tuple(x.shape), (p, p), (d, d)), rgx)
     errs = {}
     for what, (a, r) in got.items():
-        layout = a.dim() == 5 or a.is_contiguous(memory_format=torch.channels_last)
+        layout = a.dim() != 4 or a.is_contiguous(memory_format=torch.channels_last)
         errs[what] = [list(a.shape) == list(r.shape), str(a.dtype), layout, float((a.float() - r).abs().max() / r.abs().max())]
     out["kernels"].append([str(dt), errs])
+# rows and columns apart (a 3x5 filter, stride (2, 1), padding (1, 2), dilation (1, 2)): a crossed axis is caught
+x = torch.randn(2, 6, 9, 11, generator=gen).contiguous(memory_format=torch.channels_last)
+wt, b = torch.randn(2, 16, 3, 3, 5, generator=gen), torch.randn(2, 16, generator=gen)
+ref = F.conv2d(x, wt.reshape(-1, 3, 3, 5), b.reshape(-1), (2, 1), (1, 2), (1, 2), groups=2)
+out["asym"] = float((tconv.conv_fwd(x, wt, b, (1, 2), (1, 2), 2, (2, 1)) - ref).abs().max() / ref.abs().max())
 # each check passes at a grouped shape and at a dense first layer's
 convcheck.check("grouped", (2, 16, 6, 5), (2, 16, 8, 3, 3), torch.float32, torch.device("cpu"), (1, 1), (1, 1), (1, 1))
 convcheck.check("shared", (2, 3, 6, 5), (1, 32, 3, 3, 3), torch.float32, torch.device("cpu"), (1, 1), (1, 1), (1, 1))
+convcheck.check("shared", (2, 3, 11, 10), (1, 48, 3, 7, 7), torch.bfloat16, torch.device("cpu"), (2, 2), (3, 3), (1, 1))
 # a packed CNN's step with the kernels and with torch's convolutions: members sharing a batch (a dense first
 # convolution) and members with their own batches (every convolution grouped)
 torch.manual_seed(0)
-models = [nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
+# (a strided 3-channel first convolution: the flattened forward, dense with its bias fused, or grouped)
+models = [nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, stride=2), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
                         nn.Conv2d(16, 16, 1), nn.Flatten(), nn.Linear(16 * 4 * 4, 3)) for _ in range(3)]
 said = []
 for shared in (True, False):
-    xin = torch.randn(4, 3, 8, 8, generator=gen)
-    xs = xin.expand(3, *xin.shape) if shared else torch.randn(3, 4, 3, 8, 8, generator=gen)
+    xin = torch.randn(4, 3, 16, 16, generator=gen)
+    xs = xin.expand(3, *xin.shape) if shared else torch.randn(3, 4, 3, 16, 16, generator=gen)
     res = []
     for use in (True, False):
         st = Stacked(models)
@@ -81,25 +95,28 @@ print(json.dumps(out))
 
 def test_the_kernels_give_torch_s_convolutions_in_triton_s_interpreter() -> None:
     out = in_triton_interpreter(CHECK)
-    assert len(out["kernels"]) == 11
+    assert len(out["kernels"]) == 15
     for dtype, errs in out["kernels"]:
         # bf16: the output's rounding (the interpreter rounds toward zero: one bf16 step, 2**-7 of the value at most)
         tol = 1e-5 if dtype == "torch.float32" else 1e-2
         for what, (same_shape, got_dtype, channels_last, err) in errs.items():
             assert same_shape and channels_last, (dtype, what)
-            assert got_dtype == (dtype if what != "wgrad" else "torch.float32"), (dtype, what)  # weight gradients in fp32
+            assert got_dtype == (dtype if what in ("fwd", "dgrad") else "torch.float32"), (dtype, what)  # weight, bias gradients in fp32
             assert err <= tol, (dtype, what, err)
-    assert sum("fwd" in e for _, e in out["kernels"]) == 9  # stride 2: the weight gradient only
+    assert sum("fwd" in e for _, e in out["kernels"]) == 14  # stride 2 from 16 channels: no forward
+    assert sum("dgrad" in e for _, e in out["kernels"]) == 9  # the input gradient: stride 1 only
+    assert sum("bgrad" in e for _, e in out["kernels"]) == 10
     for shared, kinds, err in out["stacked"]:
         assert kinds == (["grouped", "shared"] if shared else ["grouped"])  # every convolution went through the kernels
         assert err <= 1e-5, (shared, err)
     assert out["said"] == []
+    assert out["asym"] <= 1e-5
 
 
 def _torch_kernels(monkeypatch: pytest.MonkeyPatch, wrong: str = "") -> None:
     """tconv's three kernels as torch's grouped convolution (the check's own plumbing runs without Triton), `wrong` one off."""
-    def fwd(x, w, b, padding, dilation, m):  # noqa: ANN001, ANN202
-        y = F.conv2d(x, w.reshape(-1, *w.shape[2:]), b.reshape(-1) if b is not None else None, 1, padding, dilation, groups=m)
+    def fwd(x, w, b, padding, dilation, m, stride=(1, 1)):  # noqa: ANN001, ANN202
+        y = F.conv2d(x, w.reshape(-1, *w.shape[2:]), b.reshape(-1) if b is not None else None, stride, padding, dilation, groups=m)
         return -y if wrong == "fwd" else y
 
     def dgrad(g, w, xshape, padding, dilation):  # noqa: ANN001, ANN202
@@ -107,26 +124,34 @@ def _torch_kernels(monkeypatch: pytest.MonkeyPatch, wrong: str = "") -> None:
                                                  list(dilation), False, [0, 0], w.shape[0], [True, False, False])[0]
         return gx.roll(1, 3) if wrong == "dgrad" else gx
 
-    def wgrad(g, x, wshape, padding, dilation, stride=(1, 1)):  # noqa: ANN001, ANN202
+    def wgrad(g, x, wshape, padding, dilation, stride=(1, 1), bias=False):  # noqa: ANN001, ANN202
         gw = torch.ops.aten.convolution_backward(g, x, torch.empty(wshape).reshape(-1, *wshape[2:]), None, list(stride), list(padding),
                                                  list(dilation), False, [0, 0], wshape[0], [False, True, False])[1].view(wshape)
-        return gw * 1.05 if wrong == "wgrad" else gw
+        gw = gw * 1.05 if wrong == "wgrad" else gw
+        gb = g.sum((0, 2, 3)).view(wshape[0], -1)
+        return (gw, -gb if wrong == "bgrad" else gb) if bias else gw
 
     monkeypatch.setattr(tconv, "conv_fwd", fwd)
     monkeypatch.setattr(tconv, "conv_dgrad", dgrad)
     monkeypatch.setattr(tconv, "conv_wgrad", wgrad)
 
 
-@pytest.mark.parametrize("wrong", ["fwd", "dgrad", "wgrad"])
+@pytest.mark.parametrize("wrong", ["fwd", "dgrad", "wgrad", "bgrad"])
 def test_a_kernel_that_is_off_is_caught_by_the_check_and_the_group_says_so(monkeypatch: pytest.MonkeyPatch, wrong: str) -> None:
-    """`check` is what stands between a wrong kernel and a run: each of the three results is compared."""
+    """`check` is what stands between a wrong kernel and a run: each of the four results is compared, for a dense first
+    convolution (strided, few channels: the flattened forward with its bias) as for a grouped one."""
     _torch_kernels(monkeypatch)
     args = ((2, 16, 6, 5), (2, 16, 8, 3, 3), torch.float32, torch.device("cpu"), (1, 1), (1, 1), (1, 1))
+    shared = ((2, 3, 9, 8), (1, 32, 3, 7, 7), torch.float32, torch.device("cpu"), (2, 2), (3, 3), (1, 1))
     convcheck.check("grouped", *args)  # right kernels pass
+    convcheck.check("shared", *shared)
     _torch_kernels(monkeypatch, wrong)
-    what = {"fwd": "output", "dgrad": "input gradient", "wgrad": "weight gradient"}[wrong]
+    what = {"fwd": "output", "dgrad": "input gradient", "wgrad": "weight gradient", "bgrad": "bias gradient"}[wrong]
     with pytest.raises(convcheck.Mismatch, match=what):
         convcheck.check("grouped", *args)
+    if wrong != "dgrad":  # a shared batch needs no input gradient: cuDNN's where one is asked
+        with pytest.raises(convcheck.Mismatch, match=what):
+            convcheck.check("shared", *shared)
     said: list[str] = []
     convs = convcheck.Convs(said.append)
     x = torch.randn(2, 16, 6, 5).contiguous(memory_format=torch.channels_last)
