@@ -83,24 +83,71 @@ def check(kind: str, xshape: tuple, wshape: tuple, dtype: torch.dtype, device: t
 
 def _against_cudnn(kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, wf: torch.Tensor, wshape: tuple, xshape: tuple,
                    stride: tuple, padding: tuple, dilation: tuple, groups: int, gen: torch.Generator) -> list:
-    """(what, the kernel's answer, cuDNN's) for each part the run will take from the kernels at this shape."""
+    """(what, the kernel's answer, cuDNN's) for each part the run will take from the kernels at this shape.
+
+    Each kernel runs on its own thread while cuDNN's references run here: a kernel's first call compiles it
+    (1-2 s on an H200), and Triton's compiles overlap (kernels/checked.py). The device is synchronised around them:
+    the threads run on their own (default) streams, the caller perhaps on a warm-up's side stream."""
+    from concurrent.futures import ThreadPoolExecutor
+
     m = wshape[0]
     dtype, device = x.dtype, x.device
     with torch.autocast(device.type, enabled=False):
         ref = torch.ops.aten.convolution(x, wf, b.reshape(-1) if b is not None else None, list(stride), list(padding), list(dilation), False, [0, 0], groups)
         g = torch.randn(ref.shape, device=device, generator=gen).to(dtype).contiguous(memory_format=torch.channels_last)
-        rgx, rgw, _ = torch.ops.aten.convolution_backward(g, x, wf, None, list(stride), list(padding), list(dilation), False, [0, 0],
-                                                          groups, [True, True, False])
+        parts: dict[str, Any] = {"wgrad": lambda: tconv.conv_wgrad(g, x, wshape, padding, dilation, stride, bias=b is not None)}
+        if tconv.forward_ok(wshape[2], stride):  # "shared": wshape is [1, M*Cout, ...], its bias [1, M*Cout]
+            parts["fwd"] = lambda: tconv.conv_fwd(x, w, b, padding, dilation, m, stride)
+        if kind == "grouped" and tuple(stride) == (1, 1):
+            parts["dgrad"] = lambda: tconv.conv_dgrad(g, w, xshape, padding, dilation)
+        _sync(device)
+
+        def one(f: Any) -> Any:
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                return f()
+
+        # threads on CUDA only: Triton's CPU interpreter (the tests) keeps one launch's grid in a global
+        with ThreadPoolExecutor(max_workers=len(parts), thread_name_prefix="mpsrun-conv-check") if device.type == "cuda" else _Inline() as ex:
+            futures = {k: ex.submit(one, f) for k, f in parts.items()}
+            rgx, rgw, _ = torch.ops.aten.convolution_backward(g, x, wf, None, list(stride), list(padding), list(dilation), False, [0, 0],
+                                                              groups, [True, True, False])
+            out = {k: f.result() for k, f in futures.items()}
+        _sync(device)
         if b is not None:  # the bias gradient from the weight gradient's kernel, as the run takes it
-            gw, gb = tconv.conv_wgrad(g, x, wshape, padding, dilation, stride, bias=True)
+            gw, gb = out["wgrad"]
             got = [("weight gradient", gw, rgw.view(wshape)), ("bias gradient", gb, g.float().sum((0, 2, 3)).view(m, -1))]
         else:
-            got = [("weight gradient", tconv.conv_wgrad(g, x, wshape, padding, dilation, stride), rgw.view(wshape))]
-        if tconv.forward_ok(wshape[2], stride):  # "shared": wshape is [1, M*Cout, ...], its bias [1, M*Cout]
-            got.append(("output", tconv.conv_fwd(x, w, b, padding, dilation, m, stride), ref))
-        if kind == "grouped" and tuple(stride) == (1, 1):
-            got.append(("input gradient", tconv.conv_dgrad(g, w, xshape, padding, dilation), rgx))
+            got = [("weight gradient", out["wgrad"], rgw.view(wshape))]
+        if "fwd" in out:
+            got.append(("output", out["fwd"], ref))
+        if "dgrad" in out:
+            got.append(("input gradient", out["dgrad"], rgx))
     return got
+
+
+class _Inline:
+    """An executor that runs each call at once, on this thread (the interpreter's)."""
+
+    def __enter__(self) -> "_Inline":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def submit(self, f: Any, *args: Any) -> Any:
+        from concurrent.futures import Future
+
+        fut: Future = Future()
+        try:
+            fut.set_result(f(*args))
+        except Exception as e:  # noqa: BLE001 - raised by result(), as a thread's would be
+            fut.set_exception(e)
+        return fut
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _compare(kind: str, xshape: tuple, wshape: tuple, dtype: torch.dtype, got: list) -> None:
