@@ -24,7 +24,7 @@ from mpsrun.sweep.fused.kernels import convcheck, tconv
 from mpsrun.sweep.fused.layers import Stacked
 torch.backends.cudnn.allow_tf32 = False  # exact fp32 products ("ieee")
 gen = torch.Generator().manual_seed(0)
-out = {"kernels": [], "stacked": []}
+out = {"kernels": [], "stacked": [], "pipe": []}
 # (M, N, Cin, Cout, H, W, K, padding, dilation, stride, bias, dtype)
 CASES = [(2, 2, 3, 16, 5, 7, 3, 1, 1, 1, True, torch.float32), (3, 1, 8, 16, 7, 6, 5, 2, 2, 1, False, torch.float32),
          (1, 2, 32, 64, 4, 5, 1, 0, 1, 1, True, torch.float32), (2, 1, 8, 16, 6, 6, 3, 0, 1, 1, True, torch.float32),
@@ -36,27 +36,35 @@ CASES = [(2, 2, 3, 16, 5, 7, 3, 1, 1, 1, True, torch.float32), (3, 1, 8, 16, 7, 
          # fewer than 16 channels: the flattened forward (conv_flat_k) at any stride; 7x7 over 3 channels is 5 column tiles
          (1, 2, 1, 16, 9, 9, 7, 3, 1, 2, True, torch.bfloat16), (3, 1, 2, 8, 8, 7, 1, 0, 1, 2, False, torch.float32),
          (2, 2, 3, 16, 11, 10, 7, 3, 2, 2, True, torch.float32), (1, 1, 8, 16, 7, 7, 3, 2, 1, 2, True, torch.bfloat16)]
-for m, n, cin, cout, h, w, k, p, d, s, bias, dt in CASES:
-    x = torch.randn(n, m * cin, h, w, generator=gen).to(dt).contiguous(memory_format=torch.channels_last)
-    wt = torch.randn(m, cout, cin, k, k, generator=gen).to(dt)
-    b = torch.randn(m, cout, generator=gen).to(dt) if bias else None
-    xr, wr = x.float().requires_grad_(), wt.float().requires_grad_()
-    ref = F.conv2d(xr, wr.reshape(-1, cin, k, k), b.float().reshape(-1) if bias else None, s, p, d, groups=m)
-    g = torch.randn(ref.shape, generator=gen).to(dt).contiguous(memory_format=torch.channels_last)
-    rgx, rgw = torch.autograd.grad(ref, (xr, wr), g.float())
-    got = {"wgrad": (tconv.conv_wgrad(g, x, tuple(wt.shape), (p, p), (d, d), (s, s)), rgw)}
-    if bias:  # the bias gradient from the weight gradient's pass, which must stay the same
-        gw, gb = tconv.conv_wgrad(g, x, tuple(wt.shape), (p, p), (d, d), (s, s), bias=True)
-        got["wgrad+b"], got["bgrad"] = (gw, rgw), (gb, g.float().sum((0, 2, 3)).view(m, cout))
-    if tconv.forward_ok(cin, (s, s)):
-        got["fwd"] = (tconv.conv_fwd(x, wt, b, (p, p), (d, d), m, (s, s)), ref)
-    if s == 1:
-        got["dgrad"] = (tconv.conv_dgrad(g, wt, tuple(x.shape), (p, p), (d, d)), rgx)
-    errs = {}
-    for what, (a, r) in got.items():
-        layout = a.dim() != 4 or a.is_contiguous(memory_format=torch.channels_last)
-        errs[what] = [list(a.shape) == list(r.shape), str(a.dtype), layout, float((a.float() - r).abs().max() / r.abs().max())]
-    out["kernels"].append([str(dt), errs])
+def run(cases, into):
+    for m, n, cin, cout, h, w, k, p, d, s, bias, dt in cases:
+        x = torch.randn(n, m * cin, h, w, generator=gen).to(dt).contiguous(memory_format=torch.channels_last)
+        wt = torch.randn(m, cout, cin, k, k, generator=gen).to(dt)
+        b = torch.randn(m, cout, generator=gen).to(dt) if bias else None
+        xr, wr = x.float().requires_grad_(), wt.float().requires_grad_()
+        ref = F.conv2d(xr, wr.reshape(-1, cin, k, k), b.float().reshape(-1) if bias else None, s, p, d, groups=m)
+        g = torch.randn(ref.shape, generator=gen).to(dt).contiguous(memory_format=torch.channels_last)
+        rgx, rgw = torch.autograd.grad(ref, (xr, wr), g.float())
+        got = {"wgrad": (tconv.conv_wgrad(g, x, tuple(wt.shape), (p, p), (d, d), (s, s)), rgw)}
+        if bias:  # the bias gradient from the weight gradient's pass, which must stay the same
+            gw, gb = tconv.conv_wgrad(g, x, tuple(wt.shape), (p, p), (d, d), (s, s), bias=True)
+            got["wgrad+b"], got["bgrad"] = (gw, rgw), (gb, g.float().sum((0, 2, 3)).view(m, cout))
+        if tconv.forward_ok(cin, (s, s)):
+            got["fwd"] = (tconv.conv_fwd(x, wt, b, (p, p), (d, d), m, (s, s)), ref)
+        if s == 1:
+            got["dgrad"] = (tconv.conv_dgrad(g, wt, tuple(x.shape), (p, p), (d, d)), rgx)
+        errs = {}
+        for what, (a, r) in got.items():
+            layout = a.dim() != 4 or a.is_contiguous(memory_format=torch.channels_last)
+            errs[what] = [list(a.shape) == list(r.shape), str(a.dtype), layout, float((a.float() - r).abs().max() / r.abs().max())]
+        into.append([str(dt), errs])
+run(CASES, out["kernels"])
+# tpipe's pipelined variants (tconv.CFG[*_pipe]): the per-tap forward from 16 channels, every stride-1 input gradient, the
+# per-tap weight gradient; tiles smaller than a member's channels (several channel blocks a tap) and one tile for all
+for cfg in ((32, 16, 16, 4, 2), (64, 64, 64, 8, 3)):
+    tconv.CFG["fwd_pipe"] = tconv.CFG["dgrad_pipe"] = tconv.CFG["wgrad_pipe"] = cfg
+    run([c for c in CASES if c[2] >= 16] + [CASES[1]], out["pipe"])
+tconv.CFG["fwd_pipe"] = tconv.CFG["dgrad_pipe"] = tconv.CFG["wgrad_pipe"] = None
 # rows and columns apart (a 3x5 filter, stride (2, 1), padding (1, 2), dilation (1, 2)): a crossed axis is caught
 x = torch.randn(2, 6, 9, 11, generator=gen).contiguous(memory_format=torch.channels_last)
 wt, b = torch.randn(2, 16, 3, 3, 5, generator=gen), torch.randn(2, 16, generator=gen)
@@ -95,8 +103,8 @@ print(json.dumps(out))
 
 def test_the_kernels_give_torch_s_convolutions_in_triton_s_interpreter() -> None:
     out = in_triton_interpreter(CHECK)
-    assert len(out["kernels"]) == 15
-    for dtype, errs in out["kernels"]:
+    assert len(out["kernels"]) == 15 and len(out["pipe"]) == 10
+    for dtype, errs in out["kernels"] + out["pipe"]:
         # bf16: the output's rounding (the interpreter rounds toward zero: one bf16 step, 2**-7 of the value at most)
         tol = 1e-5 if dtype == "torch.float32" else 1e-2
         for what, (same_shape, got_dtype, channels_last, err) in errs.items():
@@ -106,6 +114,8 @@ def test_the_kernels_give_torch_s_convolutions_in_triton_s_interpreter() -> None
     assert sum("fwd" in e for _, e in out["kernels"]) == 14  # stride 2 from 16 channels: no forward
     assert sum("dgrad" in e for _, e in out["kernels"]) == 9  # the input gradient: stride 1 only
     assert sum("bgrad" in e for _, e in out["kernels"]) == 10
+    assert [sorted(e) for _, e in out["pipe"][:5]] == [sorted(k) for k in (["wgrad", "wgrad+b", "bgrad", "fwd", "dgrad"],
+            ["wgrad", "fwd", "dgrad"], ["wgrad", "wgrad+b", "bgrad"], ["wgrad", "wgrad+b", "bgrad", "fwd", "dgrad"], ["wgrad", "fwd", "dgrad"])]
     for shared, kinds, err in out["stacked"]:
         assert kinds == (["grouped", "shared"] if shared else ["grouped"])  # every convolution went through the kernels
         assert err <= 1e-5, (shared, err)

@@ -44,7 +44,11 @@ _kernels: dict[str, Any] = {}
 # On an H200 (bf16, 16 members 32 -> 64 channels, 16x16): fwd 128-position tiles 0.141 ms, 64: 0.153 (cuDNN's grouped 0.358);
 # wgrad 64 rows 0.164 ms (the present unfolded bmm 0.911), and for a 3-channel dense first layer 0.071 (128 rows: 0.142).
 # flat: (positions per program, most output channels, flattened (ci, kh, kw) columns per dot, warps)
-CFG = {"fwd": (128, 64, 32, 4), "wgrad": (64, 64, 32, 4), "flat": (128, 64, 32, 4)}
+# *_pipe: tpipe's software-pipelined variants, (the same four, then num_stages), or None (the kernels above). None until
+# a GPU probe (probe_tconv3.py) shows one faster: fwd_pipe for grouped forwards of FLAT_CIN channels and more,
+# dgrad_pipe for every input gradient, wgrad_pipe for weight gradients of 16 channels and more.
+CFG: dict[str, Any] = {"fwd": (128, 64, 32, 4), "wgrad": (64, 64, 32, 4), "flat": (128, 64, 32, 4),
+                       "fwd_pipe": None, "dgrad_pipe": None, "wgrad_pipe": None}
 FLAT_CIN = 16  # fewer input channels a member: the forward over flattened (ci, kh, kw) columns, any stride
 WGRAD_PROGRAMS = 1024  # about this many programs for a weight gradient: a few waves on a 132-SM GPU
 WGRAD_MIN_ROWS = 512  # rows per split at least (partials stay small against the sum)
@@ -186,7 +190,11 @@ def _build() -> dict[str, Any]:
         if HAS_BIAS:
             tl.store(gb_ptr + (s * M + m) * COUT + co, bacc, mask=comask & (kb == 0))  # partials [S, M, COUT]
 
-    _kernels.update(fwd=conv_fwd_k, flat=conv_flat_k, wgrad=conv_wgrad_k, cdiv=triton.cdiv)
+    from mpsrun.sweep.fused.kernels import tpipe
+
+    pipe = tpipe.build()
+    _kernels.update(fwd=conv_fwd_k, flat=conv_flat_k, wgrad=conv_wgrad_k, fwd_pipe=pipe["fwd"], wgrad_pipe=pipe["wgrad"],
+                    cdiv=triton.cdiv)
     return _kernels
 
 
@@ -224,8 +232,10 @@ def _out(size: int, k: int, p: int, d: int, s: int = 1) -> int:
     return (size + 2 * p - d * (k - 1) - 1) // s + 1
 
 
-def _implicit(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor | None, padding: tuple, dilation: tuple, m: int) -> torch.Tensor:
-    """The forward kernel: x [N, M*CIN, H, W] channels_last, wr [M, KH, KW, CIN, COUT] contiguous, stride 1."""
+def _implicit(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor | None, padding: tuple, dilation: tuple, m: int,
+              which: str = "fwd") -> torch.Tensor:
+    """The forward kernel: x [N, M*CIN, H, W] channels_last, wr [M, KH, KW, CIN, COUT] contiguous, stride 1.
+    `which` ("fwd" or "dgrad"): whose CFG[which + "_pipe"] picks the pipelined variant (tpipe) when set."""
     k = _build()
     _, kh, kw, cin, cout = wr.shape
     n, xc, h, w = x.shape
@@ -236,12 +246,18 @@ def _implicit(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor | None, padd
     if y.numel() == 0:
         return y
     p = n * oh * ow
-    bp, hi_co, hi_ci, warps = CFG["fwd"]
+    pipe = CFG[which + "_pipe"]
+    if pipe is not None:
+        bp, hi_co, hi_ci, warps, stages = pipe
+        kern, launch = k["fwd_pipe"], {"num_warps": warps, "num_stages": stages}
+    else:
+        bp, hi_co, hi_ci, warps = CFG["fwd"]
+        kern, launch = k["fwd"], {"num_warps": warps}
     bco, bci = _pow2(cout, 16, hi_co), _pow2(cin, 16, hi_ci)
     grid = (k["cdiv"](p, bp), m * k["cdiv"](cout, bco))
-    k["fwd"][grid](x, wr, bias if bias is not None else wr, y, p, h, w, oh, ow, cin, cout, xc, m * cout, ph, pw,
+    kern[grid](x, wr, bias if bias is not None else wr, y, p, h, w, oh, ow, cin, cout, xc, m * cout, ph, pw,
                    DH=dh, DW=dw, KH=kh, KW=kw, HAS_BIAS=bias is not None, BP=bp, BCO=bco, BCI=bci,
-                   PREC=_prec(x.dtype), UP=_up(x.dtype), num_warps=warps)
+                   PREC=_prec(x.dtype), UP=_up(x.dtype), **launch)
     return y
 
 
@@ -295,7 +311,7 @@ def conv_dgrad(g: torch.Tensor, w: torch.Tensor, xshape: tuple, padding: tuple, 
     m, _, _, kh, kw = w.shape
     wr = w.to(g.dtype).flip(3, 4).permute(0, 3, 4, 1, 2).contiguous()  # [M, KH, KW, Cout, Cin]
     pad = (dilation[0] * (kh - 1) - padding[0], dilation[1] * (kw - 1) - padding[1])
-    gx = _implicit(g, wr, None, pad, tuple(dilation), m)
+    gx = _implicit(g, wr, None, pad, tuple(dilation), m, "dgrad")
     if tuple(gx.shape[2:]) != tuple(xshape[2:]):  # never for stride 1; a guard against a wrong caller
         raise ValueError(f"input gradient {tuple(gx.shape)} for an input {tuple(xshape)}")
     return gx
@@ -314,8 +330,9 @@ def conv_wgrad(g: torch.Tensor, x: torch.Tensor, wshape: tuple, padding: tuple, 
     oh, ow = g.shape[2], g.shape[3]
     p = n * oh * ow
     kdim = cin * kh * kw
-    bp, hi_co, hi_k, warps = CFG["wgrad"]
     tap = cin >= 16  # one tap's channels a block (contiguous loads); fewer channels: flattened (ci, kh, kw) columns
+    pipe = CFG["wgrad_pipe"] if tap else None
+    bp, hi_co, hi_k, warps = pipe[:4] if pipe is not None else CFG["wgrad"]
     bco, bk = _pow2(cout, 16, hi_co), _pow2(cin if tap else kdim, 16, hi_k)
     nkb = kh * kw * k["cdiv"](cin, bk) if tap else k["cdiv"](kdim, bk)
     tiles = m * k["cdiv"](cout, bco) * nkb
@@ -324,9 +341,12 @@ def conv_wgrad(g: torch.Tensor, x: torch.Tensor, wshape: tuple, padding: tuple, 
     splits = k["cdiv"](p, rows)
     part = torch.empty((splits, m, cout, kdim), device=x.device, dtype=torch.float32)
     bpart = torch.empty((splits, m, cout), device=x.device, dtype=torch.float32) if bias else part
-    k["wgrad"][(tiles, splits)](g, x, part, bpart, p, rows, m, h, w, oh, ow, cin, cout, xc, g.shape[1], padding[0], padding[1],
-                                stride[0], stride[1], nkb, DH=dilation[0], DW=dilation[1], KH=kh, KW=kw, TAP=tap, HAS_BIAS=bias,
-                                BP=bp, BCO=bco, BK=bk, PREC=_prec(x.dtype), UP=_up(x.dtype), num_warps=warps)
+    args = (g, x, part, bpart, p, rows, m, h, w, oh, ow, cin, cout, xc, g.shape[1], padding[0], padding[1], stride[0], stride[1], nkb)
+    consts = dict(DH=dilation[0], DW=dilation[1], KH=kh, KW=kw, HAS_BIAS=bias, BP=bp, BCO=bco, BK=bk, PREC=_prec(x.dtype), UP=_up(x.dtype))
+    if pipe is not None:
+        k["wgrad_pipe"][(tiles, splits)](*args, **consts, num_warps=warps, num_stages=pipe[4])
+    else:
+        k["wgrad"][(tiles, splits)](*args, **consts, TAP=tap, num_warps=warps)
     gw = (part[0] if splits == 1 else part.sum(0)).view(m, cout, cin, kh, kw)
     if not bias:
         return gw
