@@ -236,6 +236,7 @@ def test_packed_stages_under_bf16_autocast_give_the_member_by_member_layout_s_ou
         return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
                              nn.Conv2d(8, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(64, 5))
 
+    torch.manual_seed(1234)  # the same input wherever the test runs (it had the RNG state other tests left)
     x = torch.randn(1, 6, 3, 8, 8).expand(3, 6, 3, 8, 8) if shared else torch.randn(3, 6, 3, 8, 8)
     outs = []
     for pack in (False, True):
@@ -248,8 +249,10 @@ def test_packed_stages_under_bf16_autocast_give_the_member_by_member_layout_s_ou
         assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in st.params)
         outs.append((out.detach().float(), [p.grad for p in st.params]))
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0)
+    # bf16 sums in another order: a few percent of a small gradient (3.6% of one on the GPU machine's CPU at 2e-2);
+    # a member's or a channel's values crossed would be off by the order of the values themselves
     for a, b in zip(outs[0][1], outs[1][1]):
-        assert float((a - b).abs().max()) <= 2e-2 * float(a.abs().max()) + 1e-6
+        assert float((a - b).abs().max()) <= 6e-2 * float(a.abs().max()) + 1e-6
 
 
 def test_fast_pools_that_triton_cannot_build_leave_the_group_on_torch_s_and_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
