@@ -214,16 +214,23 @@ class GraphedGroup(Group):
 
     def _check_kernels(self, kind: str, pairs: list[tuple[int, int]], which: torch.Tensor | None, idx: torch.Tensor) -> None:
         """The group's own kernels (convolutions, max-pools) checked at every shape this graph meets, side by side:
-        one step on the library's ops collects the shapes, then each check (a first compile) runs on its own thread
-        (kernels/checked.py). Inside the warm-up: what the step changes is undone with the rest."""
+        one forward on the library's ops collects the shapes, then each check (a first compile) runs on its own
+        thread (kernels/checked.py)."""
         st = self.b.stacked
         owners = [o for o in (st.convs, st.pools) if o is not None and o.off is None]
         if not owners:
             return
         from mpsrun.sweep.fused.kernels import checked
 
-        with checked.discovering(owners):
-            self._step(kind, pairs, which, idx)
+        # the forward alone (the kernels' calls are decided there), in eval mode: no dropout draw, no batch-norm
+        # statistic moves; the backward's cuDNN calls would only plan kernels the run never takes
+        was = st.training
+        st.eval()
+        try:
+            with checked.discovering(owners), torch.no_grad(), self.amp():
+                st(self._batch(*self._gather(pairs, idx, 0 if kind == "train" else 2), which)[0])
+        finally:
+            st.train(was)
         checked.run_pending(owners, self.b.device, _build_kernels)
 
     # -- what a warm-up changes, undone in place (the graphs keep pointers to these very tensors)
