@@ -21,6 +21,8 @@ every member at once, reading the packed tensors where they lie:
   axis, any stride, bias in the epilogue. Why: a 3-channel first layer padded each tap's 3 channels to a 16-wide
   tile in `conv_fwd_k` (5x the work), and the dense first convolution of members sharing a batch went to cuDNN,
   whose bias is a separate broadcast add over the whole output (on an H200, 16 members: 145 us + 189 us a step).
+- tpipe.py: software-pipelined candidates of the per-tap forward / input gradient (one dynamic (tap, channel block)
+  loop) and weight gradient, taken only where CFG["fwd_pipe"], ["dgrad_pipe"] or ["wgrad_pipe"] names their tiles.
 
 Precision: fp32 inputs use TF32 tensor cores where `torch.backends.cudnn.allow_tf32` (cuDNN's own
 choice for convolutions) and exact fp32 ("ieee") otherwise; bf16/fp16 inputs accumulate in fp32 and
