@@ -66,8 +66,29 @@ def group_for(b: Built, say: Callable[[str], None]) -> tuple[Group, str]:
                 note += "; convolutions as Triton implicit-GEMM kernels (checked against cuDNN at each shape)"
             elif why != "not a CUDA channels_last group":
                 note += f"; convolutions: cuDNN's, not the fused Triton kernels ({why})"
+    if on:
+        note += _sgd_kernel(b, say)
     b.graphs = on  # type: ignore[attr-defined] - the members' resolved.graphs parameter (record.begin)
     return (GraphedGroup(b, say) if on else Group(b)), note
+
+
+def _sgd_kernel(b: Built, say: Callable[[str], None]) -> str:
+    """SGD's update as one Triton kernel a parameter (kernels/tsgd.py) where it can be; the note's words."""
+    import os
+
+    opt = b.opt
+    if getattr(opt, "kind", None) != "sgd" or getattr(opt, "exact", True) or b.device.type != "cuda":
+        return ""
+    if os.environ.get("MPSRUN_FUSED_OPTIM", "1").strip().lower() in ("0", "false", "no", "off"):
+        return "; optimizer: SGD's update as torch's ops (MPSRUN_FUSED_OPTIM=0)"
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - CUDA torch ships triton; said where it does not
+        return f"; optimizer: SGD's update as torch's ops (triton is not importable: {type(e).__name__})"
+    from mpsrun.sweep.fused.kernels import tsgd
+
+    opt.kernel = tsgd.Sgd(say, opt.reference)
+    return "; optimizer: SGD's update as one Triton kernel a parameter (checked against torch's ops)"
 
 
 class GraphedGroup(Group):
@@ -216,8 +237,8 @@ class GraphedGroup(Group):
         """The group's own kernels (convolutions, max-pools) checked at every shape this graph meets, side by side:
         one forward on the library's ops collects the shapes, then each check (a first compile) runs on its own
         thread (kernels/checked.py)."""
-        st = self.b.stacked
-        owners = [o for o in (st.convs, st.pools) if o is not None and o.off is None]
+        st, opt = self.b.stacked, self.b.opt
+        owners = [o for o in (st.convs, st.pools, getattr(opt, "kernel", None)) if o is not None and o.off is None]
         if not owners:
             return
         from mpsrun.sweep.fused.kernels import checked
@@ -229,6 +250,8 @@ class GraphedGroup(Group):
         try:
             with checked.discovering(owners), torch.no_grad(), self.amp():
                 st(self._batch(*self._gather(pairs, idx, 0 if kind == "train" else 2), which)[0])
+                if kind == "train" and getattr(opt, "kernel", None) is not None:
+                    opt.kernel.expect(opt)
         finally:
             st.train(was)
         checked.run_pending(owners, self.b.device, _build_kernels)
@@ -265,10 +288,11 @@ class _CaptureFailed(Exception):
 def _build_kernels() -> None:
     """The kernels' Python objects made once, on this thread, before checks on threads use them (each thread would
     otherwise make its own, and Triton compile each twice); Triton's cache key waited for (started at group_for)."""
-    from mpsrun.sweep.fused.kernels import tconv
+    from mpsrun.sweep.fused.kernels import tconv, tsgd
     from mpsrun.train import warm
     from mpsrun.train.kernels import fused_pool
 
     tconv._build()
+    tsgd._build()
     fused_pool._build()
     warm.wait_triton()

@@ -88,6 +88,7 @@ class FusedOptimizer:
         self.device = dev
         self._tensors(dev)
         self.step_t = torch.zeros((), device=dev)  # the device's step counter (not exact: CUDA graphs read it)
+        self.kernel: Any = None  # kernels/tsgd.Sgd where a graphed CUDA group takes SGD's update as one Triton kernel
 
     def _tensors(self, dev: torch.device) -> None:
         h = self.hypers
@@ -96,6 +97,7 @@ class FusedOptimizer:
         self.mom, self.damp1 = f([x.momentum for x in h]), f([1 - x.dampening for x in h])
         self.has_mom = torch.tensor([x.momentum != 0 for x in h], device=dev)
         self.nesterov = torch.tensor([x.nesterov for x in h], device=dev)
+        self.has_mom8, self.nesterov8 = self.has_mom.to(torch.int8), self.nesterov.to(torch.int8)  # what a Triton kernel reads
         self.b1c, self.b2, self.b2c = f([1 - x.beta1 for x in h]), f([x.beta2 for x in h]), f([1 - x.beta2 for x in h])
         self.eps = f([x.eps for x in h])
         self.decay = f([1 - x.lr * x.weight_decay for x in h])  # AdamW: torch's `1 - lr * weight_decay`, a Python float
@@ -151,29 +153,48 @@ class FusedOptimizer:
 
     def _sgd_device(self) -> None:
         """SGD's formulas in place (CUDA, MPS): every member's parameters are read and written once per tensor op, and
-        with hundreds of members the update is bound by memory traffic, not arithmetic (the fused curve's profile)."""
+        with hundreds of members the update is bound by memory traffic, not arithmetic (the fused curve's profile).
+        Where the group has `kernel` (kernels/tsgd.Sgd: graphed CUDA groups), a checked parameter's update is one
+        Triton pass instead; the momentum buffer then starts at zero (at the first step the same as a copy of g)."""
         for p, st in zip(self.params, self.state):
             if p.grad is None:
                 continue
             g = p.grad
-            if self.any_wd:
-                g.addcmul_(p, self._v(self.wd, p))  # grad.add(param, alpha=weight_decay), in the gradient's own memory
-            upd = g
-            if self.any_mom:
+            if self.kernel is not None:
                 buf = st.get("buf")
-                if buf is None:  # eager's first step (under graphs the warm-up made it: zero, and damp1 is 1 at step 1)
-                    buf = st["buf"] = g.detach().clone()
-                else:
-                    damp1 = self.damp1
-                    if self.any_damp:
-                        damp1 = torch.where(self.step_t == 1, torch.ones_like(damp1), damp1)
-                    buf.mul_(self._v(self.mom, p)).addcmul_(g, self._v(damp1, p))
-                upd = buf
-                if self.any_nesterov:
-                    upd = torch.where(self._v(self.nesterov, p), g.addcmul(buf, self._v(self.mom, p)), buf)
-                if not self.all_mom:
-                    upd = torch.where(self._v(self.has_mom, p), upd, g)
-            p.addcmul_(upd, self._v(self.neg_lr, p))  # param.add_(grad, alpha=-lr)
+                if buf is None and self.any_mom:
+                    buf = st["buf"] = torch.zeros_like(p)
+                if self.kernel.use(self, p, g, buf):
+                    from mpsrun.sweep.fused.kernels import tsgd
+
+                    tsgd.step(self, p, g, buf)
+                    continue
+            self._sgd_one(p, g, st)
+
+    def _sgd_one(self, p: torch.Tensor, g: torch.Tensor, st: dict[str, torch.Tensor]) -> None:
+        """One parameter's update as torch's ops (also the Triton kernel's reference: tsgd.check)."""
+        if self.any_wd:
+            g.addcmul_(p, self._v(self.wd, p))  # grad.add(param, alpha=weight_decay), in the gradient's own memory
+        upd = g
+        if self.any_mom:
+            buf = st.get("buf")
+            if buf is None:  # eager's first step (under graphs the warm-up made it: zero, and damp1 is 1 at step 1)
+                buf = st["buf"] = g.detach().clone()
+            else:
+                damp1 = self.damp1
+                if self.any_damp:
+                    damp1 = torch.where(self.step_t == 1, torch.ones_like(damp1), damp1)
+                buf.mul_(self._v(self.mom, p)).addcmul_(g, self._v(damp1, p))
+            upd = buf
+            if self.any_nesterov:
+                upd = torch.where(self._v(self.nesterov, p), g.addcmul(buf, self._v(self.mom, p)), buf)
+            if not self.all_mom:
+                upd = torch.where(self._v(self.has_mom, p), upd, g)
+        p.addcmul_(upd, self._v(self.neg_lr, p))  # param.add_(grad, alpha=-lr)
+
+    def reference(self, p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor | None) -> None:
+        """`_sgd_one` on given tensors (tsgd's check: copies of a parameter's)."""
+        self._sgd_one(p, g, {"buf": buf} if buf is not None else {})
 
     def _adam(self) -> None:
         if self.exact:  # torch's single-tensor path: Python floats per member, rounded to float32 as arguments
