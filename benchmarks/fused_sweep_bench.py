@@ -259,13 +259,15 @@ def curve(base: Path, device: str, sizes: list[int], epochs: int, tiny: bool, ou
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if b.device.type == "cuda" else [])
             b.epochs = 1
             eager = engine.Group(b)
-            with profile(activities=acts) as prof:
+            with profile(activities=acts, record_shapes=True) as prof:
                 eager.run(lambda mem, e, metrics: None)
             key = "cuda_time_total" if b.device.type == "cuda" else "cpu_time_total"
             name = f"profile_{model}_{m}_members_eager_epoch.txt"
             table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=90)
             if b.device.type == "cuda":  # the kernels themselves, by their own time
                 table += "\n\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90)
+                table += "\n\n" + prof.key_averages(group_by_input_shape=True).table(sort_by="self_cuda_time_total", row_limit=30,
+                                                                                    max_name_column_width=60, max_shapes_column_width=120)
             (out / name).write_text(table)
             lines.append(f"|  | one eager epoch of the {m}-member group profiled (kernel times): {out / name} | | | | |")
         if threads:
