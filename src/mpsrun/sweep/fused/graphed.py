@@ -62,8 +62,10 @@ def group_for(b: Built, say: Callable[[str], None]) -> tuple[Group, str]:
 
             why = convcheck.why_not(b.stacked.layers, b.device, b.stacked.channels_last, b.amp or torch.float32)
             if why is None:
-                b.stacked.convs = convcheck.Convs(say)
-                note += "; convolutions as Triton implicit-GEMM kernels (checked against cuDNN at each shape)"
+                half = b.amp is not None and b.amp != torch.float32
+                b.stacked.convs = convcheck.Convs(say, half)
+                note += ("; convolutions as Triton implicit-GEMM kernels (checked against cuDNN at each shape)" if half else
+                         "; few-channel convolutions as Triton implicit-GEMM kernels in TF32 (checked against cuDNN at each shape), the rest cuDNN's")
             elif why != "not a CUDA channels_last group":
                 note += f"; convolutions: cuDNN's, not the fused Triton kernels ({why})"
     if on:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -27,18 +27,22 @@ HALF = (torch.bfloat16, torch.float16)
 def why_not(layers: list[torch.nn.Module], device: torch.device, channels_last: bool, dtype: torch.dtype = torch.bfloat16) -> str | None:
     """None where a packed group's convolutions can run through these kernels; else why not (the group's note).
 
-    `dtype`: what the convolutions compute in (the group's autocast dtype, else fp32). Only half precision takes
-    the kernels: on an H200 their TF32 forms lost to cuDNN's (16 members: forward 0.52-0.85 ms against 0.46, weight
-    gradient 0.99 against 0.55), where in bf16 each of the three took 0.14-0.16 ms against cuDNN's 0.29-0.36 and the
-    unfolded weight gradient's 0.91."""
+    `dtype`: what the convolutions compute in (the group's autocast dtype, else fp32). Half precision takes every
+    kernel: on an H200 in bf16 each of the three took 0.14-0.16 ms against cuDNN's 0.29-0.36 and the unfolded weight
+    gradient's 0.91. An fp32 group takes them only for few-channel layers (`Convs.use`; TF32 where cuDNN would use
+    it): there the flattened forward with its bias took 0.23 ms against cuDNN's 0.35 (a dense 3 -> 512 first layer)
+    and the weight and bias gradients 0.28 against 0.37, where the per-tap TF32 kernels lost (16 members 32 -> 64:
+    forward 0.52-0.85 ms against 0.46, weight gradient 0.99 against 0.55)."""
     import os
 
     if device.type != "cuda" or not channels_last:
         return "not a CUDA channels_last group"
     if not any(isinstance(m, torch.nn.Conv2d) for m in layers):
         return "no convolution"
-    if dtype not in HALF:
-        return "an fp32 group: cuDNN's TF32 convolutions measured faster than these kernels' on an H200"
+    if dtype not in HALF and not torch.backends.cudnn.allow_tf32:
+        return "an fp32 group without TF32 (torch.backends.cudnn.allow_tf32 off): cuDNN's exact fp32 convolutions"
+    if dtype not in HALF and not any(isinstance(m, torch.nn.Conv2d) and few(m.in_channels // m.groups) for m in layers):
+        return "an fp32 group whose convolutions all have many input channels: cuDNN's TF32 ones measured faster on an H200"
     if os.environ.get("MPSRUN_FUSED_CONV", "1").strip().lower() in ("0", "false", "no", "off"):
         return "MPSRUN_FUSED_CONV=0"
     try:
@@ -46,6 +50,11 @@ def why_not(layers: list[torch.nn.Module], device: torch.device, channels_last: 
     except Exception as e:  # noqa: BLE001 - CUDA torch ships triton; said where it does not
         return f"triton is not importable ({type(e).__name__})"
     return None
+
+
+def few(cin: int) -> bool:
+    """Few input channels a member (an RGB or grey image): the flattened kernels, which beat cuDNN's in TF32 too."""
+    return cin < tconv.FLAT_CIN
 
 
 def _tol(dtype: torch.dtype) -> float:
@@ -184,8 +193,12 @@ class Convs(Checked):
     fallback = "convolutions: cuDNN's for this group, not the fused Triton kernels"
     mismatch = (Mismatch,)
 
+    def __init__(self, say: Callable[[str], None], half: bool = True) -> None:
+        super().__init__(say)
+        self.half = half  # fp32 (TF32) groups: only few-channel layers (why_not)
+
     def use(self, kind: str, x: torch.Tensor, w: torch.Tensor, stride: tuple, padding: tuple, dilation: tuple, has_bias: bool = True) -> bool:
-        if self.off is not None or not fits(x) or w.dtype != x.dtype:
+        if self.off is not None or not fits(x) or w.dtype != x.dtype or not (self.half or few(w.shape[2])):
             return False
         n, _, h, wd = x.shape
         oh, ow = tconv._out(h, w.shape[3], padding[0], dilation[0], stride[0]), tconv._out(wd, w.shape[4], padding[1], dilation[1], stride[1])

@@ -49,9 +49,15 @@ _kernels: dict[str, Any] = {}
 # *_pipe: tpipe's software-pipelined variants, (the same four, then num_stages), or None (the kernels above). None until
 # a GPU probe (probe_tconv3.py) shows one faster: fwd_pipe for grouped forwards of FLAT_CIN channels and more,
 # dgrad_pipe for every input gradient, wgrad_pipe for weight gradients of 16 channels and more.
-CFG: dict[str, Any] = {"fwd": (128, 64, 32, 4), "wgrad": (64, 64, 32, 4), "flat": (128, 64, 32, 4),
+# flat on an H200 (bf16, a dense 3 -> 512 first layer over [128, 3, 32, 32], bias fused): 128 output channels a tile
+# 0.105 ms, 64: 0.115 (cuDNN's forward and its separate bias pass 0.360).
+CFG: dict[str, Any] = {"fwd": (128, 64, 32, 4), "wgrad": (64, 64, 32, 4), "flat": (128, 128, 32, 4),
                        "fwd_pipe": None, "dgrad_pipe": None, "wgrad_pipe": None}
-FLAT_CIN = 16  # fewer input channels a member: the forward over flattened (ci, kh, kw) columns, any stride
+# fewer input channels a member: the forward over flattened (ci, kh, kw) columns, any stride. An H200 (bf16, 16 members):
+# 3 -> 32 channels 0.17 ms against cuDNN's grouped 0.54; 8 -> 16 channels 0.77 against 0.37 (the per-tap kernel 0.83),
+# so from 5 to 15 channels the forward stays cuDNN's (forward_ok).
+FLAT_CIN = 5
+TAP_CIN = 16  # this many input channels a member and more: a tap's channels a tile (forward, weight gradient)
 WGRAD_PROGRAMS = 1024  # about this many programs for a weight gradient: a few waves on a 132-SM GPU
 WGRAD_MIN_ROWS = 512  # rows per split at least (partials stay small against the sum)
 
@@ -265,8 +271,8 @@ def _implicit(x: torch.Tensor, wr: torch.Tensor, bias: torch.Tensor | None, padd
 
 def forward_ok(cin: int, stride: tuple) -> bool:
     """Whether `conv_fwd` takes a convolution of `cin` input channels a member at this stride: few channels (the
-    flattened kernel) at any stride, more at stride 1 (a tap's channels a tile)."""
-    return cin < FLAT_CIN or tuple(stride) == (1, 1)
+    flattened kernel) at any stride, TAP_CIN and more at stride 1 (a tap's channels a tile); cuDNN's between."""
+    return cin < FLAT_CIN or (cin >= TAP_CIN and tuple(stride) == (1, 1))
 
 
 def _flat(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, stride: tuple, padding: tuple, dilation: tuple) -> torch.Tensor:
@@ -332,8 +338,11 @@ def conv_wgrad(g: torch.Tensor, x: torch.Tensor, wshape: tuple, padding: tuple, 
     oh, ow = g.shape[2], g.shape[3]
     p = n * oh * ow
     kdim = cin * kh * kw
-    tap = cin >= 16  # one tap's channels a block (contiguous loads); fewer channels: flattened (ci, kh, kw) columns
+    tap = cin >= TAP_CIN  # one tap's channels a block (contiguous loads); fewer channels: flattened (ci, kh, kw) columns
     pipe = CFG["wgrad_pipe"] if tap else None
+    if bias and tap and pipe is None:  # the per-tap kernel's branch for the bias slowed it more than a separate sum costs
+        # (an H200, bf16, 16 members 32 -> 64 at 16x16: 0.224 ms with the bias inside, 0.167 + 0.042 apart)
+        return conv_wgrad(g, x, wshape, padding, dilation, stride), g.sum((0, 2, 3), dtype=torch.float32).view(wshape[0], -1)
     bp, hi_co, hi_k, warps = pipe[:4] if pipe is not None else CFG["wgrad"]
     bco, bk = _pow2(cout, 16, hi_co), _pow2(cin if tap else kdim, 16, hi_k)
     nkb = kh * kw * k["cdiv"](cin, bk) if tap else k["cdiv"](kdim, bk)
