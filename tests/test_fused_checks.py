@@ -78,3 +78,18 @@ def test_discovery_turns_cudnn_time_trials_off_and_back() -> None:
         assert torch.backends.cudnn.benchmark is True
     finally:
         torch.backends.cudnn.benchmark = was
+
+
+def test_an_owner_whose_shapes_share_kernels_checks_them_in_turn_on_one_thread() -> None:
+    """FastPools and the SGD kernel: every shape compiles the same kernels, so their checks run one after another on
+    one thread (the first compiles, the rest find them built), beside the other owners' threads."""
+    said: list[str] = []
+    pools = checked.Checked(said.append)
+    pools.together = False
+    seen: list[tuple[str, int]] = []
+    with checked.discovering([pools]):
+        for name in ("p1", "p2", "p3"):
+            pools.ready((name,), lambda name=name: seen.append((name, threading.get_ident())), False)
+    assert checked.run_pending([pools], CPU) == 1  # one thread for the three
+    assert [n for n, _ in seen] == ["p1", "p2", "p3"] and len({t for _, t in seen}) == 1
+    assert pools.checked == {("p1",), ("p2",), ("p3",)} and said == []

@@ -193,6 +193,7 @@ class FastPools(Checked):
     kernel Triton cannot build for this GPU, turns them off for the group, said through `say`. `why_not` says why they were not used at all."""
 
     fallback = "pools: torch's max-pool kernels for this group, not the fused ones"
+    together = False  # every shape's check compiles the same two kernels
 
     def __init__(self, layers: list[nn.Module], say: Any) -> None:
         from mpsrun.train.kernels import fused_pool

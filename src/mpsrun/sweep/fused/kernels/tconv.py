@@ -46,13 +46,16 @@ _kernels: dict[str, Any] = {}
 # On an H200 (bf16, 16 members 32 -> 64 channels, 16x16): fwd 128-position tiles 0.141 ms, 64: 0.153 (cuDNN's grouped 0.358);
 # wgrad 64 rows 0.164 ms (the present unfolded bmm 0.911), and for a 3-channel dense first layer 0.071 (128 rows: 0.142).
 # flat: (positions per program, most output channels, flattened (ci, kh, kw) columns per dot, warps)
-# *_pipe: tpipe's software-pipelined variants, (the same four, then num_stages), or None (the kernels above). None until
-# a GPU probe (probe_tconv3.py) shows one faster: fwd_pipe for grouped forwards of FLAT_CIN channels and more,
+# *_pipe: tpipe's software-pipelined variants, (the same four, then num_stages), or None (the kernels above), chosen from
+# a GPU probe (below): fwd_pipe for grouped forwards of TAP_CIN channels and more,
 # dgrad_pipe for every input gradient, wgrad_pipe for weight gradients of 16 channels and more.
 # flat on an H200 (bf16, a dense 3 -> 512 first layer over [128, 3, 32, 32], bias fused): 128 output channels a tile
 # 0.105 ms, 64: 0.115 (cuDNN's forward and its separate bias pass 0.360).
 CFG: dict[str, Any] = {"fwd": (128, 64, 32, 4), "wgrad": (64, 64, 32, 4), "flat": (128, 128, 32, 4),
-                       "fwd_pipe": None, "dgrad_pipe": None, "wgrad_pipe": None}
+                       "fwd_pipe": (128, 64, 32, 4, 3), "dgrad_pipe": (128, 64, 32, 4, 3), "wgrad_pipe": None}
+# *_pipe on an H200 (probe_tconv3, bf16, batch 128; ms, the kernels above / pipelined): forward 16 members 32 -> 64 at
+# 16x16 0.142 / 0.105, 64 -> 128 at 8x8 0.102 / 0.083, 64 members 32 -> 64 0.499 / 0.300; input gradient 0.141 / 0.117,
+# 0.089 / 0.080, 0.495 / 0.374; no pipelined weight gradient won (0.214 against 0.247 at best: it pipelined already).
 # fewer input channels a member: the forward over flattened (ci, kh, kw) columns, any stride. An H200 (bf16, 16 members):
 # 3 -> 32 channels 0.17 ms against cuDNN's grouped 0.54; 8 -> 16 channels 0.77 against 0.37 (the per-tap kernel 0.83),
 # so from 5 to 15 channels the forward stays cuDNN's (forward_ok).

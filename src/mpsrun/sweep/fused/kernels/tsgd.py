@@ -79,6 +79,7 @@ class Sgd(Checked):
     """Whether a parameter's update takes the kernel: its shape checked once against `reference` (the torch ops)."""
 
     fallback = "optimizer: SGD's update as torch's ops for this group, not the fused Triton kernel"
+    together = False
 
     def __init__(self, say: Callable[[str], None], reference: Callable[..., None]) -> None:
         super().__init__(say)
@@ -87,14 +88,15 @@ class Sgd(Checked):
     def expect(self, opt: Any) -> None:
         """Under `checked.discovering`: every parameter's check pending, to run beside the others' (a forward alone
         does not reach the update)."""
-        for p in opt.params:
-            buf = torch.zeros_like(p) if opt.any_mom else None
-            self.use(opt, p, p, buf)
+        if opt.params:
+            p = opt.params[0]
+            self.use(opt, p, p, torch.zeros_like(p) if opt.any_mom else None)
 
     def use(self, opt: Any, p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor | None) -> bool:
         if self.off is not None or not fits(p, g, buf):
             return False
-        key = (tuple(p.shape), g.dtype, buf is not None, opt.any_wd, opt.any_damp, opt.any_nesterov, opt.all_mom)
+        # one check a variant of the kernel, not a shape: an elementwise update whose sizes are arguments
+        key = (g.dtype, buf is not None, opt.any_wd, opt.any_damp, opt.any_nesterov, opt.all_mom)
         shape, gtype, mom = p, g.dtype, buf is not None
         return self.ready(key, lambda: check(opt, shape, gtype, mom, self.reference), True)
 
