@@ -53,7 +53,7 @@ _kernels: dict[str, Any] = {}
 # 0.105 ms, 64: 0.115 (cuDNN's forward and its separate bias pass 0.360).
 CFG: dict[str, Any] = {"fwd": (128, 64, 32, 4), "wgrad": (64, 64, 32, 4), "flat": (128, 128, 32, 4),
                        "fwd_pipe": (128, 64, 32, 4, 3), "dgrad_pipe": (128, 64, 32, 4, 3), "wgrad_pipe": None}
-# *_pipe on an H200 (probe_tconv3, bf16, batch 128; ms, the kernels above / pipelined): forward 16 members 32 -> 64 at
+# *_pipe on an H200 (git show f803281:benchmarks/tconv3_probe_gpu.py, bf16, batch 128; ms, the kernels above / pipelined): forward 16 members 32 -> 64 at
 # 16x16 0.142 / 0.105, 64 -> 128 at 8x8 0.102 / 0.083, 64 members 32 -> 64 0.499 / 0.300; input gradient 0.141 / 0.117,
 # 0.089 / 0.080, 0.495 / 0.374; no pipelined weight gradient won (0.214 against 0.247 at best: it pipelined already).
 # fewer input channels a member: the forward over flattened (ci, kh, kw) columns, any stride. An H200 (bf16, 16 members):
