@@ -46,7 +46,7 @@ def shared_conv(layer: nn.Conv2d, slot: dict[str, torch.Tensor], x: torch.Tensor
     cuDNN's grouped kernels, where this is one ordinary convolution whose output is already packed."""
     w = slot["weight"]
     x = x.contiguous(memory_format=torch.channels_last) if channels_last else x
-    if convs is not None and not isinstance(layer.padding, str):  # convcheck.Convs: the weight gradient as a Triton kernel
+    if convs is not None and not isinstance(layer.padding, str):  # convcheck.Convs: the forward and weight gradient as Triton kernels
         from mpsrun.sweep.fused.kernels.tconv import SharedConv
 
         return SharedConv.apply(x, w, slot.get("bias"), tuple(layer.stride), tuple(layer.padding), tuple(layer.dilation), convs)
@@ -86,8 +86,9 @@ class _GroupedConv(torch.autograd.Function):
     grad_out^T @ columns: one `bmm` for all members, at the precision cuDNN gives the convolution
     (TF32 where torch.backends.cudnn.allow_tf32, the default; fp32 otherwise). The forward and the
     input gradient stay cuDNN's. Where the group has `convs` (convcheck.Convs: graphed CUDA groups) and the shape
-    passed its check, all three are tconv's Triton kernels instead (input gradient: stride 1; forward: any stride for
-    fewer than tconv.FLAT_CIN input channels, else stride 1), the bias gradient summed in the weight gradient's kernel.
+    passed its check, all three are tconv's Triton kernels instead (input gradient: stride 1; forward: where
+    tconv.forward_ok, few input channels at any stride or many at stride 1), the bias gradient summed in the weight
+    gradient's kernel where that was measured faster (tconv.conv_wgrad).
     """
 
     @staticmethod
