@@ -1,4 +1,4 @@
-"""Software-pipelined variants of tconv's per-tap convolution kernels (issue 43): candidates, off by default.
+"""Software-pipelined variants of tconv's per-tap convolution kernels (issue 43): the forward's is what runs.
 
 Why: `conv_fwd_k` walks the taps with `tl.static_range` (unrolled) and each tap's channel blocks with an inner
 `range` that runs once for 32 channels a member, so Triton has no loop to pipeline: each tap's loads wait for
@@ -10,8 +10,10 @@ dynamic loop already), so the variant is the launch (`num_stages`, tiles) and a 
 bias gradient's row sum runs in every program, only the first channel block's is stored), a conditional in the
 loop being something Triton's pipeliner may decline.
 
-tconv takes these only where its `CFG["fwd_pipe"]`, `CFG["dgrad_pipe"]` or `CFG["wgrad_pipe"]` names a tile
-choice (BP, BCO, BCI or BK, warps, stages): fixed, no autotune, chosen from a GPU probe (probe_tconv3.py).
+tconv takes these where its `CFG["fwd_pipe"]`, `CFG["dgrad_pipe"]` or `CFG["wgrad_pipe"]` names a tile choice
+(BP, BCO, BCI or BK, warps, stages): fixed, no autotune, chosen from an H200 probe (`git show
+f803281:benchmarks/tconv3_probe_gpu.py`): the forward and the input gradient take the pipelined forward (0.142 ->
+0.105 ms and 0.141 -> 0.117 for 16 members 32 -> 64); no pipelined weight gradient won, so `wgrad_pipe` is None.
 Triton is imported only when `build` is first called (from tconv._build).
 """
 
