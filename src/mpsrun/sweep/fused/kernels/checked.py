@@ -1,5 +1,5 @@
-"""Per-shape checks of a fused group's own kernels (tconv's convolutions, the Triton max-pools), and running
-them side by side.
+"""Per-shape checks of a fused group's own kernels (tconv's convolutions, the Triton max-pools, the SGD kernel),
+and running them side by side.
 
 Why one mechanism: both kernels are checked against the library's op once per shape, outside any CUDA graph
 capture, and both give up for the whole group on a mismatch or a kernel Triton cannot build for this GPU (said
@@ -8,8 +8,8 @@ once, the group trains on with cuDNN's / torch's op: a compile error is no reaso
 Why side by side: each kernel's first use compiles it (Triton's passes, ptxas, a launcher), 1-4 s a check on an
 H200 on a fresh machine, 8.5 s in all for a small CNN's group, one after the other on the clock of the sweep's
 first epoch. Triton's compile releases the interpreter lock (two compiles on two threads: 7.5 s against 14 s one
-after the other on the 2-core development machine), so a capture's warm-up first runs one step on the library's
-ops that only collects the shapes (`discovering`), then every pending check on its own thread (`run_pending`).
+after the other on the 2-core development machine), so a capture's warm-up first runs one forward on the library's
+ops that only collects the shapes (`discovering`), then the pending checks on threads (`run_pending`).
 """
 
 from __future__ import annotations

@@ -75,10 +75,15 @@ def fits(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor | None) -> bool:
             and (buf is None or (buf.is_contiguous() and buf.dtype == torch.float32)) and p.numel() < 2**31)
 
 
+class Mismatch(RuntimeError):
+    """The kernel disagreed with torch's ops: the group keeps torch's (said)."""
+
+
 class Sgd(Checked):
     """Whether a parameter's update takes the kernel: its shape checked once against `reference` (the torch ops)."""
 
     fallback = "optimizer: SGD's update as torch's ops for this group, not the fused Triton kernel"
+    mismatch = (Mismatch,)
     together = False
 
     def __init__(self, say: Callable[[str], None], reference: Callable[..., None]) -> None:
@@ -117,10 +122,3 @@ def check(opt: Any, like: torch.Tensor, gtype: torch.dtype, mom: bool, reference
         err = float((a - r).abs().max() / r.abs().max().clamp_min(1e-30))
         if not err <= 1e-5:  # a NaN fails too
             raise Mismatch(f"SGD {tuple(like.shape)}: the {what} is {err:.2g} from torch's (relative to its largest)")
-
-
-class Mismatch(RuntimeError):
-    """The kernel disagreed with torch's ops: the group keeps torch's (said)."""
-
-
-Sgd.mismatch = (Mismatch,)
