@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sweep_bench import PHASES, TRACES, breakdown, failed_trials, folder, machine, timed  # noqa: E402
+from sweep_bench import PHASES, STARTED, TRACES, breakdown, failed_trials, folder, machine, timed  # noqa: E402
 
 DIGITS = """\
 device: cpu
@@ -116,6 +116,12 @@ sweep:
     optimizer.lr: {{low: 1.0e-3, high: 0.1, log: true}}
     optimizer.momentum: {{low: 0.0, high: 0.95}}
 """
+
+
+def _since(line: str, t0: float | None) -> str:
+    """`t+S ` for a trace line with a wall clock (`at=`): seconds since the command started, a timeline of its start."""
+    at = [f for f in line.split() if f.startswith("at=")]
+    return f"t+{float(at[0][3:]) - t0:.2f} " if at and t0 is not None else ""
 
 
 def checked(d: Path) -> str:
@@ -342,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
                  "| --- |" + " ---: |" * len(PHASES)]
         for label, out_text in TRACES.items():
             text += breakdown(label, out_text)
-            text += [f"    {ln}" for ln in out_text.splitlines() if ln.startswith(("sweep-trace-group", "sweep-trace-total", "sweep-trace-capture", "sweep-trace-check"))]
+            t0 = STARTED.get(label, (None, None))[0]
+            text += [f"    {_since(ln, t0)}{ln}" for ln in out_text.splitlines() if ln.startswith(
+                ("sweep-trace-group", "sweep-trace-total", "sweep-trace-capture", "sweep-trace-check", "sweep-trace-mark", "sweep-trace-rehearsal"))]
     if lines:
         text += ["", "Fused groups of fashion members, the engine alone (trial-epochs per second):", ""] + lines
     print("\n".join(text))

@@ -28,6 +28,9 @@ def sweep(
              "nvidia-mps (the same, an error if it cannot start), time-slicing (never start one)."),
 ) -> None:
     """Search the recipe's `sweep:` section with Optuna; every trial an MLflow child run of one parent run."""
+    from mpsrun.sweep import trace
+
+    trace.mark("command")
     resolved = resolve_recipe(recipe, overrides)
     if resolved.recipe.matrix:
         raise bad_input("a recipe with `matrix:` cannot be swept: run its cells with `mpsrun bench`, or drop the matrix")
@@ -84,13 +87,18 @@ def run_plan(p, quiet: bool, early=None, handed: Optional[list] = None) -> None:
     """Open the study and its parent run, run the workers, print progress and the result; exits with its code."""
     from mpsrun.sweep import drive, parent, storage
 
-    drive.warm_training()  # torch and the runner import on a thread while the study and the parent run open
+    from mpsrun.sweep import head, trace, worker
+
+    # torch, worker 0's data and a fused group's first compiles, on a thread while the study and the parent run open
+    head.start(p.resolved, p.workers, p.target, lambda: worker.placement(p.resolved, 0, p.workers))
     try:
         study = drive.create_study(p)
     except Exception as e:  # noqa: BLE001 - a database that does not answer, a journal we cannot write
         raise bad_input(f"cannot open the Optuna storage {storage.shown(p.storage_url)}: {type(e).__name__}: {e}") from None
+    trace.mark("study_opened")
     via = parent.Via(handed[0]) if handed else None  # the parent's MLflow calls in worker 0's helper: no mlflow import here
     opened = parent.open_parent(p.resolved, study, p.storage_url, p.target, p.tracking_uri, via)
+    trace.mark("parent_opened")
     parent_id = opened.run_id
     began: list[bool] = []
     try:

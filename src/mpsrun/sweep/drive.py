@@ -324,19 +324,6 @@ def _study_done_first(procs: list[subprocess.Popen], study: Any, target: int) ->
     return False
 
 
-def warm_training() -> None:
-    """Import the training side (torch, the runner: about 2 s on 2 cores) on a thread while this command opens the
-    study and the parent run (MLflow's import and the store: about 3 s). Much of torch's import is loading shared
-    libraries, which leaves the interpreter free, so the two overlap; the worker's own import then finds it done."""
-    def imp() -> None:
-        try:
-            import mpsrun.sweep.trial  # noqa: F401
-        except Exception:  # noqa: BLE001 - the worker imports it again and says why
-            pass
-
-    threading.Thread(target=imp, name="mpsrun-warm-training", daemon=True).start()
-
-
 def _warm_figures() -> None:
     """Import matplotlib's pyplot on a thread (about 1 s), while this worker waits for the others' last trials."""
     def imp() -> None:

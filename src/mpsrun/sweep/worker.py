@@ -85,6 +85,11 @@ def device_for(resolved: Resolved, index: int, workers: int) -> dict[str, Any]:
     return {"device": f"cuda:{index % n}"} if n > 1 else {}
 
 
+def placement(resolved: Resolved, index: int, workers: int) -> dict[str, Any]:
+    """What every trial of worker `index` adds to its values: the trial defaults and its device."""
+    return {**trial_defaults(resolved), **device_for(resolved, index, workers)}
+
+
 def trial_defaults(resolved: Resolved) -> dict[str, Any]:
     """What a trial skips unless the recipe asks for it: the logged model, its figures, system metrics, epoch checkpoints.
 
@@ -178,19 +183,21 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
           warm: Any = None, late: Callable[[], Job | None] | None = None) -> Tally:
     from mpsrun.devices import canary
     from mpsrun.recipe.sweep import trial_recipe
-    from mpsrun.sweep import parent, trace
+    from mpsrun.sweep import head, parent, trace
     from mpsrun.sweep import trial as trial_mod  # torch: imported here, once per worker
 
     start = {"imports": time.perf_counter() - _T0}  # the worker's start, lap by lap (MPSRUN_SWEEP_TRACE's total line)
     canary.REUSE_OPS = True  # the fixed operations checked once per device in this worker; each trial's model still is
     share_cores(job.workers)
-    placement = {**trial_defaults(resolved), **device_for(resolved, index, job.workers)}
+    where = placement(resolved, index, job.workers)
     marker = parent.RunMarker(job.tracking_uri, tracker, parent.Via(tracker) if hasattr(tracker, "hook_later") else None)
-    cache = trial_mod.DataCache()
-    try:
-        cache.get(trial_recipe(resolved, placement))  # the data every trial of this recipe's dataset section uses
-    except Exception:  # noqa: BLE001 - the first trial meets it again and says why (bad input: exit 2)
-        pass
+    cache = head.take(where)  # worker 0: built on the command's thread while the study and the parent run opened
+    if cache is None:
+        cache = trial_mod.DataCache()
+        try:
+            cache.get(trial_recipe(resolved, where))  # the data every trial of this recipe's dataset section uses
+        except Exception:  # noqa: BLE001 - the first trial meets it again and says why (bad input: exit 2)
+            pass
     start["data"] = time.perf_counter() - _T0 - sum(start.values())
     if warm is not None:
         warm.join(60)  # the first trial would wait for the same import
@@ -216,7 +223,7 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
         tally.said = Said()
     ended = False
     try:
-        _loop(job, resolved, index, on_end, tracker, study, marker, cache, placement, tally, totals)
+        _loop(job, resolved, index, on_end, tracker, study, marker, cache, where, tally, totals)
         ended = True
     finally:
         canary.REUSE_OPS = False

@@ -16,7 +16,9 @@ cost the run little of what they cost on its path:
   Triton's sources and of its 500 MB `libtriton.so`, even when every kernel comes from the on-disk
   cache: 0.4 s of the fashion run's first epoch on the H100 machine. Reading the file and hashing it
   release the interpreter lock. `wait_triton()` as training starts keeps the training thread from
-  computing it a second time beside the thread (Triton caches it with `functools.lru_cache`).
+  computing it a second time beside the thread (Triton caches it with `functools.lru_cache`). The
+  same thread then makes Triton's CUDA driver, whose C helpers are compiled with the system's C
+  compiler the first time on a machine (a subprocess: no interpreter lock held).
 
 Nothing here may run during training: a thread importing while the epochs ran slowed them on the
 H100 (the step's launches wait for the lock). Both are done before the first step: the optimizer's
@@ -66,6 +68,9 @@ def triton_key() -> None:
             except ImportError:  # older Triton kept it beside the compiler
                 from triton.compiler.compiler import triton_key as key  # type: ignore[no-redef]
             key()
+            from triton.runtime import driver
+
+            driver.active.utils  # noqa: B018 - the driver's C helpers: built with the C compiler where Triton's cache is new
         except Exception:  # noqa: BLE001 - the first kernel computes it (or meets the error) as it would have
             pass
 

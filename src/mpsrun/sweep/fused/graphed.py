@@ -287,6 +287,22 @@ class _CaptureFailed(Exception):
     pass
 
 
+def rehearse(g: GraphedGroup) -> None:
+    """A first training capture's warm-up without the capture, for a group that is then thrown away (sweep/head.py):
+    the kernels' checks at its shapes and WARMUP eager steps on a side stream, as `_graph` runs them. What it leaves
+    is the process's (compiled kernels, cuDNN's plans, the library's loaded kernels), not the group's."""
+    dev = g.b.device
+    pairs, which = g._streams()
+    idx = torch.zeros(len(pairs), g.b.batch_size, dtype=torch.long, device=dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        g._check_kernels("train", pairs, which, idx)
+        for _ in range(WARMUP):
+            g._step("train", pairs, which, idx)
+    torch.cuda.synchronize(dev)
+
+
 def _build_kernels() -> None:
     """The kernels' Python objects made once, on this thread, before checks on threads use them (each thread would
     otherwise make its own, and Triton compile each twice); Triton's cache key waited for (started at group_for)."""

@@ -60,6 +60,38 @@ def size(resolved: Resolved, placement: dict[str, Any], cache: Any) -> tuple[int
                f"about {per / 2**20:.2f} MiB a member: half the free memory, at most {MAX_GROUP})")
 
 
+def group_size(most: int, target: int, done: int, running: int, workers: int, pruner: str) -> tuple[int, list[str]]:
+    """How many trials the next group asks for (of `target`, `done` counted and `running` elsewhere), and the notes
+    that say why it is fewer than `most`."""
+    n, why = min(most, target - done - running), []
+    if workers > 1:  # each worker its share of the trials not yet done (a group per GPU), not the first to ask all
+        share = -(-(target - done) // workers)
+        if share < n:
+            n = share
+            why.append(f"fuse: {workers} workers, so a worker's group takes its share of the trials left (1/{workers}), not all of them")
+    if pruner == "median" and done < STARTUP:
+        n = min(n, STARTUP - done)
+        why.append(f"fuse: the median pruner compares with finished trials, so the first {STARTUP} train as groups of their own")
+    return n, why
+
+
+def stand_ins(resolved: Resolved, placement: dict[str, Any], n: int) -> list[Any]:
+    """`n` members as the first group's would be, for a rehearsal (sweep/head.py): the recipe's values, and their own
+    seeds where the sweep searches `seed` (each its own batches: the group's first layers take other shapes)."""
+    import types
+
+    from mpsrun.recipe.sweep import trial_recipe
+    from mpsrun.sweep.fused.members import Member
+
+    sweep = resolved.recipe.sweep
+    own = sweep is not None and "seed" in sweep.params
+    out = []
+    for i in range(n):
+        values = {"seed": resolved.recipe.seed + i} if own else {}
+        out.append(Member(types.SimpleNamespace(number=-1 - i), values, trial_recipe(resolved, {**values, **placement}), {}))
+    return out
+
+
 class Said:
     """The notes of a worker's fused groups, each said once (trial numbers gathered per reason)."""
 
@@ -101,16 +133,9 @@ def loop(job: Any, resolved: Resolved, index: int, tracker: Any, study: Any, mar
         left = job.target - done - running
         if left <= 0:
             break
-        n = min(most, left)
-        if job.workers > 1:  # each worker its share of the trials not yet done (a group per GPU), not the first to ask all
-            share = -(-(job.target - done) // job.workers)
-            if share < n:
-                n = share
-                said.add(f"fuse: {job.workers} workers, so a worker's group takes its share of the trials left (1/{job.workers}), "
-                         "not all of them")
-        if sweep.pruner == "median" and done < STARTUP:
-            n = min(n, STARTUP - done)
-            said.add(f"fuse: the median pruner compares with finished trials, so the first {STARTUP} train as groups of their own")
+        n, why = group_size(most, job.target, done, running, job.workers, sweep.pruner)
+        for line in why:
+            said.add(line)
         asked = []
         for _ in range(n):
             t = storage.ask(study, job.target)

@@ -1,0 +1,116 @@
+"""Worker 0's head start (sweep/head.py): its data, and a fused CUDA group's first compiles, built on a thread while
+the command opens the study and the parent run.
+
+The CPU tests run the real CLI in-process on digits; the CUDA test (the GPU gate) rehearses a bf16 CNN group.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import Workdir
+from tests.test_sweep import children, recipe
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the rehearsal checks CUDA kernels")
+
+
+def test_worker_0_takes_the_data_the_head_start_built(work: Workdir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dataset is built once, on the head start's thread, and every trial (a fused group here) trains on it."""
+    from mpsrun.train import runner
+
+    built: list[str] = []
+    real = runner.build_data
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        built.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "build_data", counted)
+    monkeypatch.setenv("MPSRUN_SWEEP_TRACE", "1")
+    path = recipe(work, "head.yaml", "sw_head", "optimizer.lr: {low: 0.01, high: 0.2}", trials=3)
+    r = work.cli("sweep", str(path), "-q")
+    assert r.exit_code == 0, r.output
+    assert built == ["mpsrun-head-start"], built
+    assert "sweep-trace-rehearsal" in r.output and "skipped (a cpu group)" in r.output  # the kernels' rehearsal is CUDA's
+    _, kids = children(work, "sw_head")
+    assert sorted(k.data.tags["mpsrun.sweep.state"] for k in kids) == ["COMPLETE"] * 3
+
+
+def test_data_built_for_another_placement_is_not_taken(tmp_path: Path) -> None:
+    from mpsrun.plugins import resolve
+    from mpsrun.sweep import head
+
+    path = tmp_path / "r.yaml"
+    path.write_text(_DIGITS)
+    resolved = resolve(path)
+    head.start(resolved, 1, 2, lambda: {"tracking.log_model": False})
+    assert head.take({"tracking.log_model": True}) is None  # the worker builds its own
+    assert head.take({"tracking.log_model": False}) is None  # taken once: the head start is over
+    head.start(resolved, 1, 2, lambda: {"tracking.log_model": False})
+    cache = head.take({"tracking.log_model": False})
+    assert cache is not None and cache.splits is not None
+
+
+def test_a_dataset_that_fails_in_the_head_start_is_said_by_the_worker(work: Workdir) -> None:
+    """The head start swallows the failure; the worker's own build meets it and the sweep ends as bad input (exit 2)."""
+    path = work.write("bad.yaml", _DIGITS.replace("  name: digits\n", f"  name: fashion_mnist\n  root: {work.path / 'nothing'}\n  download: false\n"))
+    r = work.cli("sweep", str(path), "-q")
+    assert r.exit_code == 2, r.output
+    assert "FashionMNIST" in r.output or "fashion" in r.output.lower(), r.output
+
+
+_DIGITS = """\
+device: cpu
+epochs: 1
+batch_size: 64
+seed: 0
+dataset:
+  name: digits
+model:
+  name: mlp
+  hidden: [16]
+optimizer:
+  name: sgd
+  lr: 0.05
+tracking:
+  experiment: sw_head_bad
+sweep:
+  metric: val_loss
+  trials: 2
+  params:
+    optimizer.lr: {low: 0.01, high: 0.2}
+"""
+
+
+@CUDA
+@pytest.mark.parametrize("own_seeds", [False, True])
+def test_a_rehearsal_checks_the_first_group_s_kernels_and_gives_its_memory_back(tmp_path: Path, own_seeds: bool,
+                                                                                  capfd: pytest.CaptureFixture[str],
+                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 CNN group of 3 stand-ins (own seeds: each its own batches, the grouped first layer): its checks ran on
+    threads, nothing failed, and the device's memory is back where it was."""
+    from mpsrun.plugins import resolve
+    from mpsrun.recipe.sweep import trial_recipe
+    from mpsrun.sweep import head, worker
+    from mpsrun.sweep.trial import DataCache
+    from tests.test_fused_graphs import CNN_BASE
+
+    monkeypatch.setenv("MPSRUN_SWEEP_TRACE", "1")
+    params = "    optimizer.lr: {low: 0.01, high: 0.2}\n" + ("    seed: {low: 0, high: 100}\n" if own_seeds else "")
+    path = tmp_path / "cnn.yaml"
+    path.write_text(CNN_BASE.format(device="cuda", optimizer="sgd") + "precision: bf16\nsweep:\n  metric: val_loss\n  trials: 3\n  params:\n" + params)
+    resolved = resolve(path)
+    where = worker.placement(resolved, 0, 1)
+    cache = DataCache()
+    cache.get(trial_recipe(resolved, where))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    said = head.rehearse(resolved, where, cache, 3, 1)
+    assert said == "members=3", said
+    assert torch.cuda.memory_reserved() <= before + 64 * 2**20
+    err = capfd.readouterr().err
+    assert "sweep-trace-checks threads=" in err and "sweep-trace-check conv" in err, err[-2000:]
