@@ -40,6 +40,7 @@ def sweep(
         raise bad_input(f"--gpu-sharing {gpu_sharing!r}: choose one of {', '.join(gpu_share.SHARING)}")
     with recipe_errors():
         p = drive.plan(resolved, trials, workers, storage, study, tracking_uri)
+    trace.mark("planned")
     require_store(tracking_uri)
     from mpsrun.train.keep import interrupt
 
@@ -70,6 +71,9 @@ def _start_and_run(p, quiet: bool, gpu_sharing: str) -> None:  # type: ignore[no
         if os.environ.get("MPSRUN_SWEEP_EARLY_HELPER", "1") != "0":
             tracker = worker.start_tracker(p.resolved, p.tracking_uri)
             handed.append(tracker)
+            from mpsrun.sweep import trace
+
+            trace.mark("helper_started")
         run_plan(p, quiet, early, handed)
     finally:
         if handed and tracker is not None:  # the command ended before worker 0 took it over
