@@ -100,6 +100,9 @@ def publish(resolved: Resolved, study: Any, parent_run_id: str, tracking_uri: st
     c = parent.client_for(tracking_uri, c)
     with tempfile.TemporaryDirectory() as d:
         made, skipped = figures.draw(resolved, study, Path(d))  # from the study alone: no MLflow call waits before it
+        from mpsrun.sweep import trace
+
+        trace.mark("figures_drawn")
         parent.settle_lost(tracking_uri, study, c)  # the child runs agree with the study before the parent says what it holds
         s = summarise(resolved, study)
         notes: list[str] = list(skipped)

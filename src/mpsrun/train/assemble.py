@@ -9,7 +9,6 @@ Everything skipped or switched off comes back as a note: printed and tagged.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -167,13 +166,9 @@ def _kernel_why_not(options: Options, env: str) -> Optional[str]:
         return "CUDA graphs are off (the kernels run where steps are replayed)"
     if not options.channels_last:
         return "channels_last is off (the kernels are for channels_last tensors)"
-    if os.environ.get(env, "1").strip().lower() in ("0", "false", "no", "off"):
-        return f"{env}=0"
-    try:
-        import triton  # noqa: F401
-    except Exception as e:  # pragma: no cover - CUDA torch ships triton
-        return f"triton is not importable ({type(e).__name__})"
-    return None
+    from mpsrun.train.kernels import kernels_off
+
+    return kernels_off(env)
 
 
 def _fuse_pools(model: nn.Module, device: torch.device, options: Options) -> str:
@@ -212,10 +207,10 @@ def layers_why_not(model: nn.Module, device: torch.device, options: Options, bat
     """None where the run's Linear (+ ReLU) layers will be the fused kernels; else why not ("" where there is nothing to say)."""
     if device.type != "cuda":
         return ""
-    from mpsrun.train.kernels import fused_linear
+    from mpsrun.train.kernels import fused_linear, switched_off
 
     why = fused_linear.why_not(model, device, options.precision, options.graphs, options.compile, batch_size)
-    if why is None and os.environ.get("MPSRUN_FUSED_LINEAR", "1").strip().lower() in ("0", "false", "no", "off"):
+    if why is None and switched_off("MPSRUN_FUSED_LINEAR"):
         why = "MPSRUN_FUSED_LINEAR=0"
     return why
 

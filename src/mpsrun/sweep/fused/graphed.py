@@ -76,17 +76,14 @@ def group_for(b: Built, say: Callable[[str], None]) -> tuple[Group, str]:
 
 def _sgd_kernel(b: Built, say: Callable[[str], None]) -> str:
     """SGD's update as one Triton kernel a parameter (kernels/tsgd.py) where it can be; the note's words."""
-    import os
-
     opt = b.opt
     if getattr(opt, "kind", None) != "sgd" or getattr(opt, "exact", True) or b.device.type != "cuda":
         return ""
-    if os.environ.get("MPSRUN_FUSED_OPTIM", "1").strip().lower() in ("0", "false", "no", "off"):
-        return "; optimizer: SGD's update as torch's ops (MPSRUN_FUSED_OPTIM=0)"
-    try:
-        import triton  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - CUDA torch ships triton; said where it does not
-        return f"; optimizer: SGD's update as torch's ops (triton is not importable: {type(e).__name__})"
+    from mpsrun.train.kernels import kernels_off
+
+    why = kernels_off("MPSRUN_FUSED_OPTIM")
+    if why is not None:
+        return f"; optimizer: SGD's update as torch's ops ({why})"
     from mpsrun.sweep.fused.kernels import tsgd
 
     opt.kernel = tsgd.Sgd(say, opt.reference)

@@ -206,19 +206,13 @@ class FastPools(Checked):
 
     @staticmethod
     def why_not(layers: list[nn.Module], device: torch.device, channels_last: bool) -> str | None:
-        import os
-
         if device.type != "cuda" or not channels_last:
             return "not a CUDA channels_last group"
         if not any(type(m) is nn.MaxPool2d for m in layers):
             return "no max-pool"
-        if os.environ.get("MPSRUN_FUSED_POOL", "1").strip().lower() in ("0", "false", "no", "off"):
-            return "MPSRUN_FUSED_POOL=0"
-        try:
-            import triton  # noqa: F401
-        except Exception as e:  # noqa: BLE001 - CUDA torch ships triton; said where it does not
-            return f"triton is not importable ({type(e).__name__})"
-        return None
+        from mpsrun.train.kernels import kernels_off
+
+        return kernels_off("MPSRUN_FUSED_POOL")
 
     def __call__(self, layer: nn.Module, y: torch.Tensor) -> torch.Tensor:
         geo = self.geo.get(id(layer))

@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from mpsrun.train.kernels import vjp
 from mpsrun.train.kernels.swap import hooked
 
 MAX_ROWS = 256  # batch rows the small tiles are for; larger batches fill the GPU through cuBLAS
@@ -320,8 +321,8 @@ class Planned:
                 want = nn.functional.linear(x, w, b)
                 want = torch.relu(want) if relu else want
                 g = torch.randn(got.shape, device=w.device, generator=gen)
-                grads = torch.autograd.grad(got, [t for t in (x, w, b) if t is not None], g)
-                refs = torch.autograd.grad(want, [t for t in (x, w, b) if t is not None], g)
+                grads = vjp(got, [t for t in (x, w, b) if t is not None], g)
+                refs = vjp(want, [t for t in (x, w, b) if t is not None], g)
             if in_relu:
                 refs = (torch.where(x > 0, refs[0], 0.0), *refs[1:])  # the fused input gradient carries the ReLU's mask
             for what, a, r in zip(("output", "input gradient", "weight gradient", "bias gradient"), (got, *grads), (want, *refs)):

@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from mpsrun.train.kernels import swap
+from mpsrun.train.kernels import swap, vjp
 from mpsrun.train.kernels.norm_graph import NONE, RELU, RELU6, SILU
 
 # Tiles, from benchmarks/norm_kernels_gpu.py on an H100 (ResNet18's shapes at batch 256, bf16)
@@ -460,7 +460,7 @@ def check(shape: tuple, dtype: torch.dtype, device: torch.device, eps: float, ac
                     out = torch.where(kept, out, activate(pre, act))
                 else:
                     out = activate(out, act)
-            grads = torch.autograd.grad(out, [t for t in (xs, ws, bs, rs) if t is not None], gy.to(out.dtype))
+            grads = vjp(out, [t for t in (xs, ws, bs, rs) if t is not None], gy.to(out.dtype))
         outs.append([out, *grads, run_m, run_v])
     names = ["output", "input gradient", "weight gradient", "bias gradient"] + (["residual gradient"] if residual else []) + ["running mean", "running var"]
     for name, a, r in zip(names, *outs):

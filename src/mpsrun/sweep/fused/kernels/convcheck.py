@@ -33,8 +33,6 @@ def why_not(layers: list[torch.nn.Module], device: torch.device, channels_last: 
     it): there the flattened forward with its bias took 0.23 ms against cuDNN's 0.35 (a dense 3 -> 512 first layer)
     and the weight and bias gradients 0.28 against 0.37, where the per-tap TF32 kernels lost (16 members 32 -> 64:
     forward 0.52-0.85 ms against 0.46, weight gradient 0.99 against 0.55)."""
-    import os
-
     if device.type != "cuda" or not channels_last:
         return "not a CUDA channels_last group"
     if not any(isinstance(m, torch.nn.Conv2d) for m in layers):
@@ -43,13 +41,9 @@ def why_not(layers: list[torch.nn.Module], device: torch.device, channels_last: 
         return "an fp32 group without TF32 (torch.backends.cudnn.allow_tf32 off): cuDNN's exact fp32 convolutions"
     if dtype not in HALF and not any(isinstance(m, torch.nn.Conv2d) and few(m.in_channels // m.groups) for m in layers):
         return "an fp32 group whose convolutions all have many input channels: cuDNN's TF32 ones measured faster on an H200"
-    if os.environ.get("MPSRUN_FUSED_CONV", "1").strip().lower() in ("0", "false", "no", "off"):
-        return "MPSRUN_FUSED_CONV=0"
-    try:
-        import triton  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - CUDA torch ships triton; said where it does not
-        return f"triton is not importable ({type(e).__name__})"
-    return None
+    from mpsrun.train.kernels import kernels_off
+
+    return kernels_off("MPSRUN_FUSED_CONV")
 
 
 def few(cin: int) -> bool:
