@@ -23,7 +23,10 @@ tracking: {{experiment: par, log_model: false}}
 """
 
 SLOW = """\
+import os
 import time
+from pathlib import Path
+
 from torch import nn
 
 
@@ -34,8 +37,13 @@ class Slow(nn.Module):
         self.waited = False
 
     def forward(self, x):
-        if not self.waited:  # once per process: long enough to see whether cells overlap
-            time.sleep(2)
+        if not self.waited:  # once per process: until a second cell is here too (at most 60 s), so cells that run
+            # side by side overlap whatever the machine's load (a 2 s sleep did not on the GPU gate's busy machine)
+            here = Path(os.environ["SLOW_BARRIER"])
+            (here / str(os.getpid())).touch()
+            end = time.monotonic() + 60
+            while len(list(here.iterdir())) < 2 and time.monotonic() < end:
+                time.sleep(0.05)
             self.waited = True
         return self.lin(x.flatten(1))
 
@@ -49,6 +57,8 @@ def test_cells_run_side_by_side_as_child_runs(work, fake_dist, monkeypatch) -> N
     site = fake_dist("slow-plugin", SLOW, models={"slow": "slow"})
     monkeypatch.setenv("PYTHONPATH", str(site))  # the cell processes find the plugin as an installed package
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    (work.path / "barrier").mkdir()
+    monkeypatch.setenv("SLOW_BARRIER", str(work.path / "barrier"))
     r = work.write("g.yaml", GRID.format(model="slow"))
     res = work.cli("bench", str(r), "--parallel", "2", helper=None)  # cell processes: the default helper
     assert res.exit_code == 0, res.output
