@@ -89,9 +89,7 @@ def _start_and_run(p, quiet: bool, gpu_sharing: str) -> None:  # type: ignore[no
 
 def run_plan(p, quiet: bool, early=None, handed: Optional[list] = None) -> None:  # type: ignore[no-untyped-def,type-arg]
     """Open the study and its parent run, run the workers, print progress and the result; exits with its code."""
-    from mpsrun.sweep import drive, parent, storage
-
-    from mpsrun.sweep import head, trace, worker
+    from mpsrun.sweep import drive, head, parent, storage, trace, worker
 
     # torch, worker 0's data and a fused group's first compiles, on a thread while the study and the parent run open
     head.start(p.resolved, p.workers, p.target, lambda: worker.placement(p.resolved, 0, p.workers))

@@ -10,6 +10,8 @@ shapes and two warm-up steps run, as its first capture would. On a fresh machine
 (2.5-3.3 s for 16 CNN members on the H200); what they leave is per process (Triton's compiled kernels, cuDNN's
 plans, the CUDA context, the library's loaded kernels), so the real group's checks find their kernels built.
 The rehearsal is thrown away: no trial, no run, its memory given back before the worker measures free memory.
+Where trials do not fuse, the thread begins torch._dynamo's import instead (torch's optimizers import it when
+built: worker 0 waited 4.7 s for it on the H200 machine, begun only once the parent run existed).
 
 Nothing of it runs beside the worker: `take()` waits for the thread before the worker's first torch work (the
 seeds and cuDNN's settings are process-wide) and hands the data over. Any failure here is left to the worker,
@@ -44,6 +46,10 @@ class _Head:
         fusing = sweep is not None and sweep.fuse != "off"
         if fusing:
             _triton_beside()
+        else:  # unfused trials build torch optimizers, which import torch._dynamo: begun now, not when worker 0 starts
+            from mpsrun.train import warm
+
+            warm.dynamo()
         try:
             from mpsrun.recipe.sweep import trial_recipe
             from mpsrun.sweep.trial import DataCache

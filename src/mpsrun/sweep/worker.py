@@ -192,6 +192,7 @@ def _work(job: Job, resolved: Resolved, index: int, on_end: Callable[[TrialEnd, 
     where = placement(resolved, index, job.workers)
     marker = parent.RunMarker(job.tracking_uri, tracker, parent.Via(tracker) if hasattr(tracker, "hook_later") else None)
     cache = head.take(where)  # worker 0: built on the command's thread while the study and the parent run opened
+    start["head"] = time.perf_counter() - _T0 - sum(start.values())  # worker 0's wait for that thread (its rehearsal)
     if cache is None:
         cache = trial_mod.DataCache()
         try:
