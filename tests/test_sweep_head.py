@@ -7,6 +7,7 @@ The CPU tests run the real CLI in-process on digits; the CUDA test (the GPU gate
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,34 @@ def test_a_dataset_that_fails_in_the_head_start_is_said_by_the_worker(work: Work
     r = work.cli("sweep", str(path), "-q")
     assert r.exit_code == 2, r.output
     assert "FashionMNIST" in r.output or "fashion" in r.output.lower(), r.output
+
+
+def test_sigterm_during_the_head_start_ends_the_sweep_cleanly(work: Workdir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM the moment the head start's thread has imported PyTorch (it builds the data next, while the command still
+    opens the study or the parent run): exit 143, no process left behind, no parent run left RUNNING."""
+    import os
+    import signal
+
+    from tests.test_sweep import _mpsrun, _processes_naming
+
+    monkeypatch.setenv("MPSRUN_SWEEP_TRACE", "1")
+    path = recipe(work, "term.yaml", "sw_head_term", "optimizer.lr: {low: 0.01, high: 0.2}", trials=3)
+    p = _mpsrun(work.path, "sweep", str(path), "-q")
+    seen = []
+    assert p.stdout is not None
+    for line in p.stdout:
+        seen.append(line)
+        if "what=training_imported" in line:
+            os.kill(p.pid, signal.SIGTERM)
+            break
+    out = "".join(seen) + p.communicate(timeout=120)[0]
+    assert "what=training_imported" in out, out
+    assert p.returncode == 143, out
+    deadline = time.monotonic() + 30
+    while _processes_naming(str(path)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_naming(str(path)) == []
+    assert not [r for r in work.runs("sw_head_term") if r.info.status == "RUNNING"]
 
 
 _DIGITS = """\
