@@ -11,7 +11,8 @@ shapes and two warm-up steps run, as its first capture would. On a fresh machine
 plans, the CUDA context, the library's loaded kernels), so the real group's checks find their kernels built.
 The rehearsal is thrown away: no trial, no run, its memory given back before the worker measures free memory.
 Where trials do not fuse, the thread begins torch._dynamo's import instead (torch's optimizers import it when
-built: worker 0 waited 4.7 s for it on the H200 machine, begun only once the parent run existed).
+built: worker 0 waited 4.7 s for it on the H200 machine, begun only once the parent run existed). Where trials fuse
+and the thread is done before the parent run is open, it imports matplotlib for the parent's figures at the end.
 
 Nothing of it runs beside the worker: `take()` waits for the thread before the worker's first torch work (the
 seeds and cuDNN's settings are process-wide) and hands the data over. Any failure here is left to the worker,
@@ -32,6 +33,7 @@ class _Head:
         self.resolved, self.workers, self.target, self.where = resolved, workers, target, where
         self.placement: dict[str, Any] | None = None
         self.cache: Any = None
+        self.wanted = threading.Event()  # worker 0 is waiting for this thread (take): nothing optional starts after
         self.thread = threading.Thread(target=self._run, name="mpsrun-head-start", daemon=True)
 
     def _run(self) -> None:
@@ -66,6 +68,22 @@ class _Head:
             said = rehearse(self.resolved, placement, cache, self.target, self.workers)
             if trace.enabled():
                 trace.emit(f"sweep-trace-rehearsal s={time.perf_counter() - t0:.3f} {said}")
+            if not self.wanted.is_set():  # the parent run is not open yet: the figures' import, off the sweep's end
+                _figures_import()
+                trace.mark("figures_imported")
+
+
+def _figures_import() -> None:
+    """matplotlib's pyplot (Agg), which the parent's figures import after the last trial (0.4 s of a 2-core machine's
+    fused digits sweep, about 4 s in all). Only where trials fuse: beside torch._dynamo's import (unfused sweeps) it
+    would slow that one, which worker 0 waits for."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+    except Exception:  # noqa: BLE001 - the figures import it again and say why
+        pass
 
 
 def _triton_beside() -> None:
@@ -101,6 +119,7 @@ def take(placement: dict[str, Any]) -> Any:
     head, _head = _head, None
     if head is None:
         return None
+    head.wanted.set()
     head.thread.join()
     return head.cache if head.placement == placement else None
 
