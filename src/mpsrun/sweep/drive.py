@@ -326,16 +326,9 @@ def _study_done_first(procs: list[subprocess.Popen], study: Any, target: int) ->
 
 def _warm_figures() -> None:
     """Import matplotlib's pyplot on a thread (about 1 s), while this worker waits for the others' last trials."""
-    def imp() -> None:
-        try:
-            import matplotlib
+    from mpsrun.sweep import head
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot  # noqa: F401
-        except Exception:  # noqa: BLE001 - the figures import it again and say why
-            pass
-
-    threading.Thread(target=imp, name="mpsrun-warm-figures", daemon=True).start()
+    threading.Thread(target=head.figures_import, name="mpsrun-warm-figures", daemon=True).start()
 
 
 def _show(ends: "queue.Queue[TrialEnd | None]", study: Any, on_end: Callable[[TrialEnd, Any], None] | None) -> None:

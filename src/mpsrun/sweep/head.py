@@ -69,14 +69,15 @@ class _Head:
             if trace.enabled():
                 trace.emit(f"sweep-trace-rehearsal s={time.perf_counter() - t0:.3f} {said}")
             if not self.wanted.is_set():  # the parent run is not open yet: the figures' import, off the sweep's end
-                _figures_import()
+                figures_import()
                 trace.mark("figures_imported")
 
 
-def _figures_import() -> None:
+def figures_import() -> None:
     """matplotlib's pyplot (Agg), which the parent's figures import after the last trial (0.4 s of a 2-core machine's
-    fused digits sweep, about 4 s in all). Only where trials fuse: beside torch._dynamo's import (unfused sweeps) it
-    would slow that one, which worker 0 waits for."""
+    fused digits sweep, about 4 s in all), imported ahead where the command would otherwise wait (here; drive, while
+    the extra workers end). The head start does it only where trials fuse: beside torch._dynamo's import (unfused
+    sweeps) it would slow that one, which worker 0 waits for."""
     try:
         import matplotlib
 
