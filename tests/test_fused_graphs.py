@@ -247,12 +247,22 @@ def test_packed_stages_under_bf16_autocast_give_the_member_by_member_layout_s_ou
         assert out.dtype == torch.bfloat16
         out.float().square().sum().backward()
         assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in st.params)
-        outs.append((out.detach().float(), [p.grad for p in st.params]))
+        # per layer, its gradients (weight, bias) in the order the layer holds them
+        outs.append((out.detach().float(), [[t.grad for t in slot.values() if t.grad is not None] for slot in st.where]))
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=0, atol=0)
-    # bf16 sums in another order: a few percent of a small gradient (3.6% of one on the GPU machine's CPU at 2e-2);
-    # a member's or a channel's values crossed would be off by the order of the values themselves
-    for a, b in zip(outs[0][1], outs[1][1]):
-        assert float((a - b).abs().max()) <= 6e-2 * float(a.abs().max()) + 1e-6
+    # The two layouts sum in bf16 in other orders. A gradient's rounding noise follows the size of the terms summed,
+    # not of the sum: the first convolution's bias, which a batch norm follows, has a true gradient of ~1e-7 (its
+    # terms cancel) and bf16 noise of ~1e-3 on either layout. So each member's gradients are compared per layer with
+    # that layer's largest gradient of that member as the scale (the weight's: the same terms, multiplied by inputs of
+    # size ~1): bf16's rounding (2^-8) of sums in another order stays within a few percent of it on any CPU kind,
+    # while a member's or a channel's values crossed would be off by the order of the values themselves.
+    layers_with_grads = [(g0, g1) for g0, g1 in zip(outs[0][1], outs[1][1]) if g0]
+    assert len(layers_with_grads) == 4  # two convolutions, the batch norm, the linear
+    for layer0, layer1 in layers_with_grads:
+        for j in range(3):
+            scale = max(float(g[j].abs().max()) for g in layer0)
+            for a, b in zip(layer0, layer1):
+                assert float((a[j] - b[j]).abs().max()) <= 6e-2 * scale + 1e-6, (j, [tuple(g.shape) for g in layer0])
 
 
 def test_fast_pools_that_triton_cannot_build_leave_the_group_on_torch_s_and_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
