@@ -7,6 +7,7 @@ is made per session and copied into each test's own directory.
 from __future__ import annotations
 
 import importlib
+import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,28 @@ import pytest
 from typer.testing import CliRunner
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _share_cores() -> None:
+    """Each pytest-xdist worker gets its share of the cores for torch's threads, before torch is imported.
+
+    Why: with `-n 2` on 2 cores, two workers with 2 OpenMP threads each (and what they start) oversubscribe the CPU,
+    and OpenMP's waiting threads then cost more than the work: on a 2-core machine with the other core busy,
+    test_controls.py and test_engine.py took 80 s with 2 threads and 42 s with 1 (issue 53). The processes a test
+    starts inherit the setting; a variable the user set is kept. The GPU gate (.ci/gpu) does the same.
+    """
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = str(max(1, cores // max(1, int(workers))))
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(var, threads)
+    if "torch" in sys.modules:  # a plugin imported it first: its pool is sized already, so size it again
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+_share_cores()
 RECIPES = ROOT / "recipes"
 
 
