@@ -44,6 +44,7 @@ def _fused_vs_solo(tmp_path: Path, optimizer: str, variants: list[dict[str, Any]
     from mpsrun.recipe.sweep import trial_recipe
     from mpsrun.sweep.fused import engine, members
     from mpsrun.train import runner
+    from mpsrun.train.controls.callbacks import Callbacks
     from mpsrun.train.loop.engine import Listener, train
 
     path = tmp_path / f"{optimizer}.yaml"
@@ -57,12 +58,15 @@ def _fused_vs_solo(tmp_path: Path, optimizer: str, variants: list[dict[str, Any]
     pairs = []
     for m, r in zip(mems, recs):
         s = runner.prepare(r)
-        res = train(s.model, s.optimizer, s.plan, s.choice.device, r.recipe.epochs, s.options, Listener(), objective=s.objective)
-        assert len(m.history) == len(res.epochs) == 2
+        res = train(s.model, s.optimizer, s.plan, s.choice.device, r.recipe.epochs, s.options, Listener(), callbacks=Callbacks(*s.callbacks),
+                    objective=s.objective)
+        assert len(m.history) == len(res.epochs) == r.recipe.epochs
         for e, em in enumerate(res.epochs):
             pairs.append((em.val_loss, m.history[e]["val_loss"]))
             pairs.append((em.train_loss, m.history[e]["train_loss"]))
             assert em.val_accuracy == m.history[e]["val_accuracy"]
+            for k in ("lr", "grad_norm"):  # the rate each epoch trained at (its schedule's), the epoch's largest pre-clip norm
+                assert em.metrics().get(k) == m.history[e].get(k), (k, e, em.metrics().get(k), m.history[e].get(k))
     return pairs
 
 
@@ -101,6 +105,169 @@ def test_bf16_members_follow_their_bf16_solo_runs_on_the_cpu(tmp_path: Path) -> 
 def test_fused_members_on_cuda_follow_their_solo_runs(tmp_path: Path) -> None:
     variants = [{"optimizer.lr": 0.1, "optimizer.momentum": 0.9}, {"optimizer.lr": 0.05, "seed": 3}]
     assert _worst(_fused_vs_solo(tmp_path, "sgd", variants, device="cuda")) <= 1e-3
+
+
+def test_members_with_their_own_plateau_schedules_follow_their_solo_runs_on_the_cpu(tmp_path: Path) -> None:
+    """ReduceLROnPlateau fed each member's own monitored metric, its factor a member's own; Adam's update reads the new rate."""
+    text = BASE.replace("epochs: 2", "epochs: 3") + "scheduler:\n  name: ReduceLROnPlateau\n  patience: 0\n  factor: 0.5\n  monitor: val_accuracy\n  mode: max\n"
+    pairs = _fused_vs_solo(tmp_path, "adam", [{"optimizer.lr": 0.3}, {"optimizer.lr": 1e-2, "seed": 2, "scheduler.factor": 0.1}], base_text=text)
+    assert _worst(pairs) <= 1e-6, pairs
+
+
+def test_clipping_per_member_clips_each_by_its_own_norm() -> None:
+    """A member with huge gradients is scaled to its max_norm, one with small ones is left alone: each by its own total
+    norm, with clip_grad_norm_'s arithmetic (bit for bit on the exact path; batched norms elsewhere)."""
+    import torch
+
+    from mpsrun.sweep.fused.controls import Clip
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(2, 16, 8), (2, 16), (2, 4, 16), (2, 4)]
+    scale = torch.tensor([100.0, 1e-2])  # member 0's gradients far above max_norm, member 1's far below
+    for exact in (True, False):
+        params = [torch.zeros(s, requires_grad=True) for s in shapes]
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen) * scale.view(-1, *([1] * (p.dim() - 1)))
+        solo = []  # each member's parameters alone, with its gradients, clipped by torch's clip_grad_norm_
+        for j in range(2):
+            alone = [torch.zeros(p.shape[1:], requires_grad=True) for p in params]
+            for a, p in zip(alone, params):
+                a.grad = p.grad[j].clone()  # type: ignore[index]
+            solo.append((alone, torch.nn.utils.clip_grad_norm_(alone, 1.0).item()))
+        clip = Clip([1.0, 1.0], torch.device("cpu"), exact)
+        clip.clip(params)
+        for j, (alone, before) in enumerate(solo):
+            after = torch.nn.utils.get_total_norm([p.grad[j] for p in params]).item()  # type: ignore[index]
+            if j == 0:
+                assert before > 100 and abs(after - 1.0) < 1e-5  # clipped to its own max_norm
+            else:
+                assert before < 1 and abs(after - before) <= 1e-6 * before  # not clipped: its coefficient clamped to 1
+            for a, p in zip(alone, params):
+                if exact:
+                    assert torch.equal(p.grad[j], a.grad)  # type: ignore[index] - its run's clip_grad_norm_, bit for bit
+                else:
+                    assert torch.allclose(p.grad[j], a.grad, rtol=1e-5, atol=0)  # type: ignore[index,arg-type]
+        assert clip.epoch_values() == pytest.approx([before for _, before in solo], rel=1e-6)  # grad_norm: the pre-clip norms
+        assert clip.peak.tolist() == [0.0, 0.0]
+
+
+def test_grad_clip_and_schedules_the_fused_step_cannot_do_still_run_unfused_and_say_why(tmp_path: Path) -> None:
+    from mpsrun.plugins import resolve
+    from mpsrun.recipe.sweep import trial_recipe
+    from mpsrun.sweep.fused import group
+
+    def why(extra: str, base: str = BASE.format(device="cpu", optimizer="sgd")) -> str | None:
+        path = tmp_path / "r.yaml"
+        path.write_text(base + extra)
+        return group.recipe_why_not(trial_recipe(resolve(path), PLACE))
+
+    assert "grad_clip.norm_type 1 (the fused step clips by the 2-norm)" in (why("grad_clip:\n  max_norm: 1.0\n  norm_type: 1.0\n") or "")
+    cycled = why("scheduler:\n  name: OneCycleLR\n  max_lr: 0.1\n  total_steps: 200\n  interval: step\n",
+                 BASE.format(device="cpu", optimizer="sgd").replace("lr: 0.05", "lr: 0.05\n  momentum: 0.9"))
+    assert "cycle_momentum" in (cycled or "")
+    assert why("grad_clip:\n  max_norm: 1.0\nscheduler:\n  name: StepLR\n  step_size: 1\n") is None  # these fuse now
+
+
+SCHEDULED = """\
+device: cpu
+epochs: 3
+batch_size: 32
+seed: 0
+dataset:
+  name: digits
+model:
+  name: mlp
+  hidden: [16]
+optimizer:
+  name: sgd
+  lr: 0.2
+  momentum: 0.9
+scheduler:
+  name: CosineAnnealingLR
+  T_max: 60
+  interval: step
+  warmup_epochs: 1
+  warmup_start_factor: 0.2
+grad_clip:
+  max_norm: 0.5
+tracking:
+  experiment: fused_sched
+sweep:
+  metric: val_loss
+  sampler: grid
+  pruner: none
+  trials: 4
+  params:
+    grad_clip.max_norm: [0.2, 5.0]
+    scheduler.T_max: [40, 90]
+"""
+
+STEPPED = SCHEDULED.replace("""scheduler:
+  name: CosineAnnealingLR
+  T_max: 60
+  interval: step
+  warmup_epochs: 1
+  warmup_start_factor: 0.2
+grad_clip:
+  max_norm: 0.5
+""", """scheduler:
+  name: StepLR
+  step_size: 1
+  gamma: 0.5
+""").replace("fused_sched", "fused_steplr").replace("""    grad_clip.max_norm: [0.2, 5.0]
+    scheduler.T_max: [40, 90]
+""", """    scheduler.step_size: [1, 2]
+""").replace("trials: 4", "trials: 2")
+
+
+def _sweep_equals_solo_runs(work: Workdir, text: str, experiment: str, searched: list[str], trials: int) -> None:
+    """The sweep's trials fuse (one group, the parent's notes say none ran unfused), and each member's per-epoch
+    train_loss, val_loss and lr are those of `mpsrun run` with its values (lr exactly: the same schedule)."""
+    path = work.write(f"{experiment}.yaml", text)
+    r = work.cli("sweep", str(path), "-q")
+    assert r.exit_code == 0, r.output
+    runs = work.runs(experiment)
+    parent = [k for k in runs if k.data.tags.get("mpsrun.sweep") == "parent"][0]
+    kids = [k for k in runs if k.data.tags.get("mpsrun.sweep") == "trial"]
+    notes = parent.data.tags.get("mpsrun.notes", "")
+    assert "ran unfused" not in notes, notes
+    assert len(kids) == trials and len({k.data.tags.get("mpsrun.sweep.group") for k in kids}) == 1, [k.data.tags for k in kids]
+    assert all(k.data.tags["mpsrun.sweep.state"] == "COMPLETE" for k in kids)
+    import torch
+
+    quiet = ["tracking.log_model=false", "tracking.figures=false", "tracking.system_metrics=false", "checkpoint.every=0"]
+    lrs = set()
+    threads = torch.get_num_threads()
+    for kid in kids:
+        values = [f"{key}={kid.data.params[key]}" for key in searched]
+        torch.set_num_threads(1)  # as the fused CPU group trains (work.torch_threads): CPU matmuls split work by thread
+        try:
+            solo = work.cli("run", str(path), "-q", *values, *quiet)
+        finally:
+            torch.set_num_threads(threads)
+        assert solo.exit_code == 0, solo.output
+        rerun = [x for x in work.runs(experiment) if "mpsrun.sweep" not in x.data.tags][-1]
+        assert all(rerun.data.params[key] == kid.data.params[key] for key in searched)
+        for metric in ("train_loss", "val_loss", "lr"):
+            alone = [v for _, v in work.history(rerun.info.run_id, metric)]
+            fused = [v for _, v in work.history(kid.info.run_id, metric)]
+            assert len(alone) == len(fused) == int(text.split("epochs: ")[1].split("\n")[0]), (metric, alone, fused)
+            if metric == "lr":
+                assert alone == fused, (values, alone, fused)
+                lrs.add(tuple(fused))
+            else:
+                assert alone == fused, (metric, values, alone, fused)  # bit for bit, on one thread each
+    assert len(lrs) > 1  # the members' schedules differ, and each followed its own
+
+
+def test_a_sweep_with_a_warm_up_cosine_schedule_and_grad_clip_fuses_and_each_member_equals_its_run(work: Workdir) -> None:
+    _sweep_equals_solo_runs(work, SCHEDULED, "fused_sched", ["grad_clip.max_norm", "scheduler.T_max"], 4)
+    kids = [k for k in work.runs("fused_sched") if k.data.tags.get("mpsrun.sweep") == "trial"]
+    assert all(len(work.history(k.info.run_id, "grad_norm")) == 3 for k in kids)  # the clip's epoch maximum, as a run logs it
+
+
+def test_a_sweep_searching_an_epoch_schedule_s_step_size_fuses_and_each_member_equals_its_run(work: Workdir) -> None:
+    _sweep_equals_solo_runs(work, STEPPED, "fused_steplr", ["scheduler.step_size"], 2)
 
 
 SWEEP = """\

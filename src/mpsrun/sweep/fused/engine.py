@@ -89,6 +89,7 @@ class Group:
             devices.synchronize(b.device)
             t0 = time.perf_counter()
             self.loss_sum.zero_()
+            lrs = [m.hyper.lr if m.hyper else float("nan") for m in self.active]  # the rates this epoch trains at (a run logs them)
             b.stacked.train()
             self._train_epoch(pairs, which, torch.stack(perms))
             devices.synchronize(b.device)
@@ -98,16 +99,21 @@ class Group:
             devices.synchronize(b.device)
             t2 = time.perf_counter()
             mem = devices.memory_bytes(b.device)
+            norms = b.clip.epoch_values() if b.clip is not None else None
             ended: list[int] = []
+            every: list[dict[str, float]] = []
             for j, m in enumerate(list(self.active)):
-                metrics = {"train_loss": train_loss[j], **val[j], "lr": m.hyper.lr if m.hyper else float("nan"),
+                metrics = {"train_loss": train_loss[j], **val[j], "lr": lrs[j], **({"grad_norm": norms[j]} if norms else {}),
                            "epoch_time_s": t2 - t0, "train_time_s": t1 - t0, "val_time_s": t2 - t1,
                            "train_samples_per_s": self.ntr / max(t1 - t0, 1e-9), "memory_bytes": float(mem)}
                 m.history.append(metrics)
+                every.append(metrics)
                 verdict = on_epoch(m, epoch, metrics)
                 if verdict is not None:
                     m.state, m.message = verdict
                     ended.append(j)
+            if b.schedules is not None:  # a run's ScheduleCallback: after the epoch's metrics, each member's own
+                b.schedules.after_epoch(every)
             if listen is not None:
                 listen(epoch, t2 - t0)
             if ended:
@@ -118,9 +124,12 @@ class Group:
     def _train_epoch(self, pairs: list[tuple[int, int]], which: torch.Tensor | None, perm: torch.Tensor) -> None:
         """The epoch's steps, eager: `perm` [S, n] each stream's order (graphed.py replays them instead)."""
         bs = self.b.batch_size
+        sched = self.b.schedules if self.b.schedules is not None and self.b.schedules.per_step else None
         for i in range(0, self.ntr, bs):
             x, y = self._batch(*self._gather(pairs, perm[:, i : i + bs], 0), which)
             self._train_step(x, y)
+            if sched is not None:
+                sched.after_step()  # `interval: step` schedules, after each optimizer step (a run's Objective.after_step)
 
     def amp(self) -> contextlib.AbstractContextManager:
         """precision bf16: the forward and the losses under autocast, as a run's step has them (train/loop/steps.py);
@@ -142,6 +151,8 @@ class Group:
         self.loss_sum.add_(losses.detach().float(), alpha=y.shape[1])  # the epoch's sum gets mean * len(y), as alone
         b.opt.zero_grad()
         losses.sum().backward()  # each member's loss has gradient 1: its parameters get its own gradients
+        if b.clip is not None:
+            b.clip.clip(b.stacked.params)  # each member by its own norm, as its run's Objective.clip
         b.opt.step()
 
     @torch.no_grad()
@@ -201,6 +212,9 @@ class Group:
         self.loss_sum = torch.zeros(len(keep), device=self.b.device)
         self.b.stacked.keep(keep)
         self.b.opt.keep(keep, self.b.stacked.params)
+        for control in (self.b.schedules, self.b.clip):  # their schedules and clips leave with them
+            if control is not None:
+                control.keep(keep)
 
 
 def nonfinite(metrics: dict[str, float], epoch: int, epochs: int) -> str | None:

@@ -25,6 +25,7 @@ from mpsrun.sweep.fused.engine import Group
 from mpsrun.sweep.fused.members import Built
 
 GRAPH_STEPS = 16  # steps per replay for one member, as the solo engine's graphs (train/loop/steps.py); fewer for more
+PER_STEP = "graphs: a per-step schedule changes the rate inside a replay of several steps: the fused step runs eager"
 WARMUP = 2  # eager steps on a side stream before a capture: lazy state (optimizer, cuBLAS handles) exists first
 
 
@@ -35,12 +36,16 @@ def wanted(b: Built) -> tuple[bool, str]:
     choice = b.members[0].resolved.recipe.graphs
     if choice is False:
         return False, "graphs: off in the recipe (graphs: false): the fused step runs eager"
+    if b.schedules is not None and b.schedules.per_step:  # a replay holds several steps; the rate is read per replay
+        return False, PER_STEP
     return True, f"graphs: the fused step replays as CUDA graphs ({GRAPH_STEPS} steps a replay, the batch gathered inside)"
 
 
 def group_for(b: Built, say: Callable[[str], None]) -> tuple[Group, str]:
     """The group that trains `b` (graphed on CUDA unless the recipe says graphs: false) and its note."""
     on, note = wanted(b)
+    if note == PER_STEP:
+        say(note)  # a fallback, as a failed capture's: in the parent's notes once (the members' carry `note`)
     if b.device.type == "cuda" and any(isinstance(layer, torch.nn.Conv2d) for layer in b.stacked.layers):
         r = b.members[0].resolved.recipe
         torch.backends.cudnn.benchmark = r.cudnn_benchmark is not False  # as a solo conv run resolves `auto` on CUDA
@@ -260,6 +265,8 @@ class GraphedGroup(Group):
         st = self.b.stacked
         opt = self.b.opt
         tensors = [t for slot in st.where for t in slot.values()] + [self.loss_sum, opt.step_t]
+        if self.b.clip is not None:
+            tensors.append(self.b.clip.peak)  # the warm-up's norms are not the epoch's
         if self.val_sums is not None:
             tensors += list(self.val_sums)
         return {"tensors": [(t, t.detach().clone()) for t in tensors], "state": [{k: t.clone() for k, t in s.items()} for s in opt.state],

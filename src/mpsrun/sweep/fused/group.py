@@ -16,19 +16,25 @@ from mpsrun.recipe.load import Resolved
 
 # Recipe paths whose values change no shape: members may differ in them.
 FREE = ("seed", "optimizer.lr", "optimizer.weight_decay", "optimizer.momentum", "optimizer.dampening", "optimizer.nesterov",
-        "optimizer.betas", "optimizer.eps", "model.dropout", "loss.label_smoothing")
+        "optimizer.betas", "optimizer.eps", "model.dropout", "loss.label_smoothing", "grad_clip.max_norm")
+# Sections whose every key but these is free: a schedule's arguments and warm-up are each member's own (its own
+# scheduler, sweep/fused/controls.py); its class and interval stay the group's (a per-step schedule keeps graphs off).
+FREE_BUT = {"scheduler": ("name", "interval")}
 
 
 def recipe_why_not(resolved: Resolved) -> str | None:
     """What in this trial's recipe the fused step does not do; None when nothing."""
+    from mpsrun.sweep.fused import controls
+
     r = resolved.recipe
+    sched, clip = controls.schedule_why_not(r.scheduler), controls.clip_why_not(r.grad_clip)
     checks: list[tuple[bool, str]] = [
         (r.accumulate > 1, f"accumulate: {r.accumulate}"),
-        (r.scheduler is not None, "a scheduler"),
+        (sched is not None, sched or ""),
         (r.early_stopping is not None, "early stopping"),
         (bool(r.callbacks), "callbacks"),
         (bool(r.augment), "augment"),
-        (r.grad_clip is not None, "grad_clip"),
+        (clip is not None, clip or ""),
         (r.precision not in ("auto", "fp32", "bf16"), f"precision {r.precision}"),
         (r.compile is True, "compile: true"),
         (r.resident is False, "resident: false"),
@@ -57,6 +63,9 @@ def shape_key(resolved: Resolved) -> str:
     data.pop("sweep", None)
     for path in FREE:
         _drop(data, path)
+    for section, kept in FREE_BUT.items():
+        if isinstance(data.get(section), dict):
+            data[section] = {k: v for k, v in data[section].items() if k in kept}
     return json.dumps(data, sort_keys=True, default=str)
 
 

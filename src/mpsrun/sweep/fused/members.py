@@ -60,6 +60,8 @@ class Built:
     ce: dict[str, Any] | None  # batched cross-entropy's arguments; None: each member's own loss, one by one
     splits: Any  # the first member's (dataset inputs, data sizes)
     amp: torch.dtype | None = None  # precision bf16: the forward and the losses under autocast to this dtype, as a run's
+    schedules: Any = None  # controls.Schedules: each member's lr schedule (None: no member has one)
+    clip: Any = None  # controls.Clip: each member's gradient clip (None: the recipe has no grad_clip)
 
 
 def build(members: list[Member], cache: dict[str, Any]) -> Built:
@@ -84,6 +86,7 @@ def build(members: list[Member], cache: dict[str, Any]) -> Built:
     gens: list[torch.Generator] = []
     raw: list[tuple] = []
     first_splits = None
+    classes: list[tuple[type, dict[str, Any]]] = []  # each member's optimizer class and arguments (its schedule's shadow)
     for m in members:
         r = m.resolved.recipe
         m.seed = r.seed
@@ -120,6 +123,7 @@ def build(members: list[Member], cache: dict[str, Any]) -> Built:
         if why:
             raise Unfusable(why)
         m.hyper = optim.Hyper.of(r.optimizer.name, group)
+        classes.append((cls, kwargs))
     why = layers.why_not(models[0])
     if why:
         raise Unfusable(why)
@@ -135,7 +139,29 @@ def build(members: list[Member], cache: dict[str, Any]) -> Built:
     exact = device.type == "cpu"
     opt = optim.FusedOptimizer(r0.optimizer.name, stacked.params, [m.hyper for m in members if m.hyper], exact)
     ce = None if exact else _batched_ce(members)  # the CPU: each member's own loss object, as alone (bit for bit)
-    return Built(members, stacked, opt, sources, first_splits.transform, choice, device, r0.batch_size, r0.epochs, ce, first_splits, amp)
+    steps = -(-int(sources[0][0].shape[0]) // r0.batch_size)  # optimizer steps per epoch (a run's len(plan.train))
+    scheds, clip = _controls(members, classes, opt, steps, device, exact)
+    return Built(members, stacked, opt, sources, first_splits.transform, choice, device, r0.batch_size, r0.epochs, ce, first_splits, amp,
+                 scheds, clip)
+
+
+def _controls(members: list[Member], classes: list[tuple[type, dict[str, Any]]], opt: optim.FusedOptimizer, steps: int,
+              device: torch.device, exact: bool) -> tuple[Any, Any]:
+    """Each member's schedule and clip (sweep/fused/controls.py); Unfusable where its run would refuse them."""
+    from mpsrun.sweep.fused import controls
+    from mpsrun.train.assemble import metric_names
+    from mpsrun.train.controls.schedulers import ScheduleError
+
+    why = controls.monitor_why_not(members, metric_names(controls.types_objective(members[0])))
+    if why:
+        raise Unfusable(why)
+    try:
+        scheds = controls.Schedules.build(members, classes, opt, steps)
+    except ScheduleError as e:
+        raise Unfusable(str(e)) from None
+    clips = [m.resolved.recipe.grad_clip for m in members]
+    clip = controls.Clip([c.max_norm for c in clips], device, exact) if clips[0] is not None else None
+    return scheds, clip
 
 
 def _amp(precision: str, device: torch.device) -> torch.dtype | None:

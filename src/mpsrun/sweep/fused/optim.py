@@ -225,6 +225,19 @@ class FusedOptimizer:
             denom = (v.sqrt() / self._v(bc2s, p)).add_(self._v(self.eps, p))
             p.add_(self._v(size, p) * m / denom)  # addcdiv_(m, denom, value=-step_size): (value * m) / denom, then +
 
+    @torch.no_grad()
+    def set_lr(self, lrs: list[float]) -> None:
+        """Each member's learning rate now (its schedule's), written into the tensors in place: CUDA graphs that read
+        `lr`, `neg_lr` and `decay` see it at their next replay, and the exact path reads `hypers[j].lr`."""
+        if all(h.lr == lr for h, lr in zip(self.hypers, lrs)):
+            return
+        for h, lr in zip(self.hypers, lrs):
+            h.lr = float(lr)
+        f = lambda vals: torch.tensor(vals, dtype=torch.float32)  # noqa: E731 - rounded as _tensors rounds them
+        self.lr.copy_(f([h.lr for h in self.hypers]))
+        self.neg_lr.copy_(-self.lr)
+        self.decay.copy_(f([1 - h.lr * h.weight_decay for h in self.hypers]))
+
     def keep(self, idx: list[int], params: list[torch.Tensor]) -> None:
         """Only these members go on: their state and hyperparameters kept, on the group's new parameter tensors."""
         at = torch.tensor(idx, device=self.device)

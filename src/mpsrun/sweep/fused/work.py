@@ -281,6 +281,7 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
 def _check_metric(sweep: Any, b: Any, mems: list[Any], study: Any) -> None:
     """A metric this task never logs is bad input (exit 2), found before training, as a trial's own check finds it."""
     from mpsrun.sweep import trial as trial_mod
+    from mpsrun.sweep.fused.controls import types_objective
     from mpsrun.train.assemble import metric_names
 
     try:
@@ -289,13 +290,6 @@ def _check_metric(sweep: Any, b: Any, mems: list[Any], study: Any) -> None:
         for m in mems:
             storage.fail_bad_input(study, m.trial)
         raise
-
-
-def types_objective(m: Any) -> Any:
-    """What `assemble.metric_names` reads of an objective: its metrics and whether it clips (fused members never do)."""
-    import types
-
-    return types.SimpleNamespace(metrics=m.metrics, grad_norm=None)
 
 
 def torch_threads(device: Any) -> int:
