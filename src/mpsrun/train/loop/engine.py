@@ -169,6 +169,7 @@ def _measured_step(trainer: Trainer, x: torch.Tensor, y: torch.Tensor) -> int:
     before = torch.cuda.memory_allocated(trainer.device)
     torch.cuda.reset_peak_memory_stats(trainer.device)
     fused, trainer.fused = trainer.fused, None  # torch's own layers: the fused ones are checked before capture, not here
+    hooks, trainer.objective.after_step = trainer.objective.after_step, []  # a per-step schedule: the undone step is no step
     try:
         trainer.model.train()
         trainer.train_step(x, y)
@@ -176,6 +177,7 @@ def _measured_step(trainer: Trainer, x: torch.Tensor, y: torch.Tensor) -> int:
         return int(torch.cuda.max_memory_allocated(trainer.device) - before)
     finally:
         trainer.fused = fused
+        trainer.objective.after_step = hooks
         restore_state(base, trainer.optimizer, snapshot)
         torch.set_rng_state(rng[0])
         torch.cuda.set_rng_state(rng[1], trainer.device)
