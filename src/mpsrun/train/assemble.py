@@ -138,12 +138,11 @@ def build(recipe: Recipe, splits: DataSplits, model: nn.Module, optimizer: torch
             objective.after_step.append(sched.step)
         else:
             if plateau:
-                _check_monitor("scheduler.monitor", recipe.scheduler.monitor, objective)
+                check_monitor("scheduler.monitor", recipe.scheduler.monitor, objective)
             out.callbacks.append(schedulers.ScheduleCallback(sched, plateau, recipe.scheduler.monitor))
-    if recipe.early_stopping is not None:
-        es = recipe.early_stopping
-        _check_monitor("early_stopping.monitor", es.monitor, objective)
-        out.callbacks.append(EarlyStopping(es.monitor, es.mode, es.patience, es.min_delta))
+    stopping = early_stopping(recipe, objective)
+    if stopping is not None:
+        out.callbacks.append(stopping)
     for i, section in enumerate(recipe.callbacks):
         try:
             cb = registry.build("callback", section.name, section.kwargs, {})
@@ -153,6 +152,16 @@ def build(recipe: Recipe, splits: DataSplits, model: nn.Module, optimizer: torch
             raise ControlError(f"callbacks.{i}: '{section.name}' built {type(cb).__name__}, not an mpsrun Callback (subclass mpsrun.Callback)")
         out.callbacks.append(cb)
     return out
+
+
+def early_stopping(recipe: Recipe, objective: Objective) -> EarlyStopping | None:
+    """The recipe's early stopping, its monitor checked against what the run logs (ControlError: bad input).
+    A fused sweep builds each member's with this too (sweep/fused/controls.py), so both stop alike."""
+    es = recipe.early_stopping
+    if es is None:
+        return None
+    check_monitor("early_stopping.monitor", es.monitor, objective)
+    return EarlyStopping(es.monitor, es.mode, es.patience, es.min_delta)
 
 
 def metric_names(objective: Objective) -> list[str]:
@@ -197,7 +206,8 @@ def _fuse_norms(model: nn.Module, device: torch.device, options: Options) -> str
     return "" if why is None else f"norms: torch's batch-norm kernels, not the fused ones ({why})"
 
 
-def _check_monitor(where: str, name: str, objective: Objective) -> None:
+def check_monitor(where: str, name: str, objective: Objective) -> None:
+    """ControlError (bad input) when a control's `monitor` is not a metric this run logs (a fused group asks the same)."""
     names = metric_names(objective)
     if name not in names:
         raise ControlError(f"{where}: '{name}' is not a metric of this run{did_you_mean(name, names)}; available: {', '.join(names)}")

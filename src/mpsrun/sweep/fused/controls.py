@@ -1,4 +1,4 @@
-"""Each member's learning-rate schedule and gradient clip in the fused step, with the single run's code.
+"""Each member's learning-rate schedule, gradient clip and early stopping in the fused step, with the single run's code.
 
 Schedules: every member gets a shadow optimizer (its own torch.optim class and param group, one dummy
 parameter) on which `train/controls/schedulers.build` builds the member's scheduler, exactly as a run builds
@@ -11,6 +11,10 @@ Clipping: each member's gradients scaled by its own total 2-norm with clip_grad_
 (coef = max_norm / (norm + 1e-6), clamped to 1). On the CPU each member's norm is torch's own
 `get_total_norm` over that member's gradient slices (the run's clip_grad_norm_, bit for bit); on devices
 one batched norm per parameter (no host sync: capturable in the group's CUDA graphs).
+
+Early stopping: every member gets the `EarlyStopping` callback its run builds (`assemble.early_stopping`), called
+after each epoch with a `MemberRun` (what the callback reads of a run): its tags go on the member's run at its end,
+its request to stop makes the member leave the group (engine.py), FINISHED, as its run would stop.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from torch.optim import lr_scheduler
 
 from mpsrun.sweep.fused.optim import FusedOptimizer
+from mpsrun.train.controls.callbacks import Callback
 
 IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")  # how a solo optimizer steps, not what its group holds
 
@@ -150,6 +155,53 @@ class Clip:
         self._tensors()
 
 
+class MemberRun:
+    """One member's run as a callback sees it: the part of a run's RunState (train/controls/callbacks.py) that
+    EarlyStopping reads. `log.set_tags` collects into `member.end_tags` (written on its run when it ends, record.end);
+    `request_stop` keeps the first reason in `member.stop_reason`, as RunState keeps it."""
+
+    def __init__(self, member: Any, epochs: int) -> None:
+        self.member = member
+        self.epochs = epochs  # planned
+        self.log = self
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.member.end_tags.update(tags)
+
+    def request_stop(self, reason: str) -> None:
+        if self.member.stop_reason is None:
+            self.member.stop_reason = reason
+
+    @property
+    def should_stop(self) -> bool:
+        return self.member.stop_reason is not None
+
+
+class Stopping:
+    """The active members' early stopping (None for a member without), in the group's member order."""
+
+    def __init__(self, items: list[tuple[Callback | None, MemberRun]]) -> None:
+        self.items = items
+
+    @classmethod
+    def build(cls, members: list[Any], epochs: int) -> "Stopping | None":
+        """Each member's EarlyStopping as its run builds it; None when no member has one. Raises ControlError where
+        its run would refuse it (a monitor that is not a metric of the run), with the run's words."""
+        from mpsrun.train.assemble import early_stopping
+
+        items = [(early_stopping(m.resolved.recipe, types_objective(m)), MemberRun(m, epochs)) for m in members]
+        return cls(items) if any(es is not None for es, _ in items) else None
+
+    def after_epoch(self, j: int, epoch: int, metrics: dict[str, float]) -> None:
+        """Member j's epoch to its early stopping (a run's callback, before the trial's pruner); a stop it asks for
+        is the member's `stop_reason`, which the engine ends it by."""
+        es, run = self.items[j]
+        if es is not None:
+            es.on_epoch_end(run, epoch, metrics)  # type: ignore[arg-type] - a MemberRun: what EarlyStopping reads of a run
+
+    def keep(self, idx: list[int]) -> None:
+        self.items = [self.items[j] for j in idx]
+
 
 def types_objective(m: Any) -> Any:
     """What `assemble.metric_names` reads of an objective: its metrics and whether it clips (then it logs grad_norm)."""
@@ -158,12 +210,17 @@ def types_objective(m: Any) -> Any:
     return types.SimpleNamespace(metrics=m.metrics, grad_norm=True if m.resolved.recipe.grad_clip is not None else None)
 
 
-def monitor_why_not(members: list[Any], names: list[str]) -> str | None:
-    """Why a member's ReduceLROnPlateau monitor is not a metric its run logs (the run's own check refuses it), or None."""
+def monitor_why_not(members: list[Any]) -> str | None:
+    """Why a member's ReduceLROnPlateau monitor is not a metric its run logs, in the run's own words (its check,
+    `assemble.check_monitor`, refuses it), or None. Early stopping's is checked as it is built (Stopping.build)."""
     from mpsrun.plugins import components
+    from mpsrun.train.assemble import ControlError, check_monitor
 
     for m in members:
         s = m.resolved.recipe.scheduler
-        if s is not None and s.monitor not in names and issubclass(components.scheduler_class(s.name), lr_scheduler.ReduceLROnPlateau):
-            return f"scheduler.monitor '{s.monitor}' is not a metric of this run"
+        if s is not None and issubclass(components.scheduler_class(s.name), lr_scheduler.ReduceLROnPlateau):
+            try:
+                check_monitor("scheduler.monitor", s.monitor, types_objective(m))
+            except ControlError as e:
+                return str(e)
     return None

@@ -4,13 +4,16 @@ Per epoch, like the solo engine (train/loop/engine.py): each member's shuffle is
 (`torch.randperm` with the generator seeded `epoch_seed(seed, epoch)`, the resident path's),
 members with the same seed and dataset share each batch (gathered once), the training loss
 and validation sums accumulate on the device and are read once at the epoch's end. Then each
-member's epoch goes to `on_epoch` (its run, the pruner, the non-finite guard), which may end
-it: a member that ends leaves the group at once (every stacked tensor narrowed to the others).
+member's epoch goes to its early stopping, then to `on_epoch` (its run, the pruner, the non-finite
+guard), in a run's callback order; either may end it: a member that ends leaves the group at once
+(every stacked tensor narrowed to the others). With `accumulate: k` the optimizer steps once per k
+micro-batches, each weighted by its share of its group's samples, as a run's step does (objective.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 from typing import Callable
@@ -19,8 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from mpsrun.sweep.fused.members import Built, Member
+from mpsrun.train.loop.objective import micro_batches
 
-# on_epoch(member, epoch, metrics) -> None to go on, or the member's end: ("PRUNED" | "FAILED", message)
+# on_epoch(member, epoch, metrics) -> None to go on, or the member's end: ("PRUNED" | "FAILED", message). Called after
+# the member's early stopping (which sets member.stop_reason): None for a member that asked to stop ends it COMPLETE.
 OnEpoch = Callable[[Member, int, dict[str, float]], "tuple[str, str] | None"]
 
 
@@ -108,7 +113,11 @@ class Group:
                            "train_samples_per_s": self.ntr / max(t1 - t0, 1e-9), "memory_bytes": float(mem)}
                 m.history.append(metrics)
                 every.append(metrics)
+                if b.stopping is not None and nonfinite(metrics, epoch, b.epochs) is None:  # a run's guard stops it before
+                    b.stopping.after_epoch(j, epoch, metrics)  # its callbacks: early stopping, then the trial's pruner
                 verdict = on_epoch(m, epoch, metrics)
+                if verdict is None and m.stop_reason is not None:  # stopped early: FINISHED, its trial COMPLETE (as alone)
+                    verdict = ("COMPLETE", m.stop_reason)
                 if verdict is not None:
                     m.state, m.message = verdict
                     ended.append(j)
@@ -122,13 +131,16 @@ class Group:
             m.state = "COMPLETE" if m.state == "RUNNING" else m.state
 
     def _train_epoch(self, pairs: list[tuple[int, int]], which: torch.Tensor | None, perm: torch.Tensor) -> None:
-        """The epoch's steps, eager: `perm` [S, n] each stream's order (graphed.py replays them instead)."""
+        """The epoch's steps, eager: `perm` [S, n] each stream's order (graphed.py replays them instead).
+        With accumulate > 1 the micro-batches' weights and groups are a run's (objective.micro_batches)."""
         bs = self.b.batch_size
         sched = self.b.schedules if self.b.schedules is not None and self.b.schedules.per_step else None
-        for i in range(0, self.ntr, bs):
+        acc = self.b.accumulate
+        groups = micro_batches(self.ntr, bs, acc) if acc > 1 else itertools.repeat((1.0, True, True))
+        for i, (weight, first, last) in zip(range(0, self.ntr, bs), groups):
             x, y = self._batch(*self._gather(pairs, perm[:, i : i + bs], 0), which)
-            self._train_step(x, y)
-            if sched is not None:
+            self._train_step(x, y, weight, first, last)
+            if last and sched is not None:
                 sched.after_step()  # `interval: step` schedules, after each optimizer step (a run's Objective.after_step)
 
     def amp(self) -> contextlib.AbstractContextManager:
@@ -138,7 +150,10 @@ class Group:
             return contextlib.nullcontext()
         return torch.autocast(self.b.device.type, dtype=self.b.amp, cache_enabled=False)
 
-    def _train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def _train_step(self, x: torch.Tensor, y: torch.Tensor, weight: float = 1.0, first: bool = True, last: bool = True) -> None:
+        """One micro-batch of every member: gradients cleared on the `first` of an accumulation group, each member's
+        loss scaled by `weight` (its share of the group's samples), the clip and the update on the `last` (a run's
+        Trainer.train_step)."""
         b = self.b
         with self.amp():
             out = b.stacked(x)
@@ -149,8 +164,12 @@ class Group:
             else:
                 losses = torch.stack([mem.loss(out[j], y[j]) for j, mem in enumerate(self.active)])
         self.loss_sum.add_(losses.detach().float(), alpha=y.shape[1])  # the epoch's sum gets mean * len(y), as alone
-        b.opt.zero_grad()
-        losses.sum().backward()  # each member's loss has gradient 1: its parameters get its own gradients
+        if first:
+            b.opt.zero_grad()
+        scaled = losses if weight == 1.0 else losses * weight  # a run's `loss * weight`, member by member
+        scaled.sum().backward()  # each member's loss has gradient `weight`: its parameters get its own gradients
+        if not last:
+            return
         if b.clip is not None:
             b.clip.clip(b.stacked.params)  # each member by its own norm, as its run's Objective.clip
         b.opt.step()
@@ -212,7 +231,7 @@ class Group:
         self.loss_sum = torch.zeros(len(keep), device=self.b.device)
         self.b.stacked.keep(keep)
         self.b.opt.keep(keep, self.b.stacked.params)
-        for control in (self.b.schedules, self.b.clip):  # their schedules and clips leave with them
+        for control in (self.b.schedules, self.b.clip, self.b.stopping):  # their schedules, clips and stopping leave with them
             if control is not None:
                 control.keep(keep)
 

@@ -26,6 +26,8 @@ from mpsrun.sweep.fused.members import Built
 
 GRAPH_STEPS = 16  # steps per replay for one member, as the solo engine's graphs (train/loop/steps.py); fewer for more
 PER_STEP = "graphs: a per-step schedule changes the rate inside a replay of several steps: the fused step runs eager"
+# As a solo run (assemble.adjust_options): a replay's steps would have to fall on the groups' edges, with their weights.
+ACCUMULATE = "graphs: accumulate: {k} steps the optimizer every {k} micro-batches, which the replays do not model: the fused step runs eager"
 WARMUP = 2  # eager steps on a side stream before a capture: lazy state (optimizer, cuBLAS handles) exists first
 
 
@@ -38,13 +40,15 @@ def wanted(b: Built) -> tuple[bool, str]:
         return False, "graphs: off in the recipe (graphs: false): the fused step runs eager"
     if b.schedules is not None and b.schedules.per_step:  # a replay holds several steps; the rate is read per replay
         return False, PER_STEP
+    if b.accumulate > 1:
+        return False, ACCUMULATE.format(k=b.accumulate)
     return True, f"graphs: the fused step replays as CUDA graphs ({GRAPH_STEPS} steps a replay, the batch gathered inside)"
 
 
 def group_for(b: Built, say: Callable[[str], None]) -> tuple[Group, str]:
     """The group that trains `b` (graphed on CUDA unless the recipe says graphs: false) and its note."""
     on, note = wanted(b)
-    if note == PER_STEP:
+    if note in (PER_STEP, ACCUMULATE.format(k=b.accumulate)):
         say(note)  # a fallback, as a failed capture's: in the parent's notes once (the members' carry `note`)
     if b.device.type == "cuda" and any(isinstance(layer, torch.nn.Conv2d) for layer in b.stacked.layers):
         r = b.members[0].resolved.recipe

@@ -16,7 +16,9 @@ from mpsrun.recipe.load import Resolved
 
 # Recipe paths whose values change no shape: members may differ in them.
 FREE = ("seed", "optimizer.lr", "optimizer.weight_decay", "optimizer.momentum", "optimizer.dampening", "optimizer.nesterov",
-        "optimizer.betas", "optimizer.eps", "model.dropout", "loss.label_smoothing", "grad_clip.max_norm")
+        "optimizer.betas", "optimizer.eps", "model.dropout", "loss.label_smoothing", "grad_clip.max_norm",
+        # each member has its own EarlyStopping (sweep/fused/controls.py): all four are its own, whether it has one is the group's
+        "early_stopping.patience", "early_stopping.min_delta", "early_stopping.monitor", "early_stopping.mode")
 # Sections whose every key but these is free: a schedule's arguments and warm-up are each member's own (its own
 # scheduler, sweep/fused/controls.py); its class and interval stay the group's (a per-step schedule keeps graphs off).
 FREE_BUT = {"scheduler": ("name", "interval")}
@@ -29,9 +31,7 @@ def recipe_why_not(resolved: Resolved) -> str | None:
     r = resolved.recipe
     sched, clip = controls.schedule_why_not(r.scheduler), controls.clip_why_not(r.grad_clip)
     checks: list[tuple[bool, str]] = [
-        (r.accumulate > 1, f"accumulate: {r.accumulate}"),
         (sched is not None, sched or ""),
-        (r.early_stopping is not None, "early stopping"),
         (bool(r.callbacks), "callbacks"),
         (bool(r.augment), "augment"),
         (clip is not None, clip or ""),

@@ -40,6 +40,8 @@ class Member:
     message: str = ""
     run_id: str | None = None
     history: list[dict[str, float]] = field(default_factory=list)
+    stop_reason: str | None = None  # its early stopping asked to stop (controls.MemberRun): it leaves the group FINISHED
+    end_tags: dict[str, str] = field(default_factory=dict)  # tags its controls set (early stopping's), on its run at its end
 
     @property
     def number(self) -> int:
@@ -62,6 +64,8 @@ class Built:
     amp: torch.dtype | None = None  # precision bf16: the forward and the losses under autocast to this dtype, as a run's
     schedules: Any = None  # controls.Schedules: each member's lr schedule (None: no member has one)
     clip: Any = None  # controls.Clip: each member's gradient clip (None: the recipe has no grad_clip)
+    stopping: Any = None  # controls.Stopping: each member's early stopping (None: no member has one)
+    accumulate: int = 1  # micro-batches per optimizer step (the group's `accumulate`, as a run's Objective has it)
 
 
 def build(members: list[Member], cache: dict[str, Any]) -> Built:
@@ -139,29 +143,35 @@ def build(members: list[Member], cache: dict[str, Any]) -> Built:
     exact = device.type == "cpu"
     opt = optim.FusedOptimizer(r0.optimizer.name, stacked.params, [m.hyper for m in members if m.hyper], exact)
     ce = None if exact else _batched_ce(members)  # the CPU: each member's own loss object, as alone (bit for bit)
-    steps = -(-int(sources[0][0].shape[0]) // r0.batch_size)  # optimizer steps per epoch (a run's len(plan.train))
-    scheds, clip = _controls(members, classes, opt, steps, device, exact)
+    batches = -(-int(sources[0][0].shape[0]) // r0.batch_size)  # a run's len(plan.train)
+    steps = -(-batches // r0.accumulate)  # optimizer steps per epoch, as a run counts them for its schedule (assemble.build)
+    scheds, clip, stopping = _controls(members, classes, opt, steps, device, exact)
     return Built(members, stacked, opt, sources, first_splits.transform, choice, device, r0.batch_size, r0.epochs, ce, first_splits, amp,
-                 scheds, clip)
+                 scheds, clip, stopping, r0.accumulate)
 
 
 def _controls(members: list[Member], classes: list[tuple[type, dict[str, Any]]], opt: optim.FusedOptimizer, steps: int,
-              device: torch.device, exact: bool) -> tuple[Any, Any]:
-    """Each member's schedule and clip (sweep/fused/controls.py); Unfusable where its run would refuse them."""
+              device: torch.device, exact: bool) -> tuple[Any, Any, Any]:
+    """Each member's schedule, clip and early stopping (sweep/fused/controls.py); Unfusable where its run would refuse
+    them, in its run's words (the trials then run alone, and each refuses it as `mpsrun run` does)."""
     from mpsrun.sweep.fused import controls
-    from mpsrun.train.assemble import metric_names
+    from mpsrun.train.assemble import ControlError
     from mpsrun.train.controls.schedulers import ScheduleError
 
-    why = controls.monitor_why_not(members, metric_names(controls.types_objective(members[0])))
+    why = controls.monitor_why_not(members)
     if why:
         raise Unfusable(why)
+    try:
+        stopping = controls.Stopping.build(members, members[0].resolved.recipe.epochs)
+    except ControlError as e:
+        raise Unfusable(str(e)) from None
     try:
         scheds = controls.Schedules.build(members, classes, opt, steps)
     except ScheduleError as e:
         raise Unfusable(str(e)) from None
     clips = [m.resolved.recipe.grad_clip for m in members]
     clip = controls.Clip([c.max_norm for c in clips], device, exact) if clips[0] is not None else None
-    return scheds, clip
+    return scheds, clip, stopping
 
 
 def _amp(precision: str, device: torch.device) -> torch.dtype | None:

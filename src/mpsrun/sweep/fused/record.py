@@ -98,8 +98,9 @@ def epoch(tracker: Any, rows: list[tuple[Member, int, dict[str, float]]]) -> Non
 
 
 def end(tracker: Any, members: list[Member], notes: list[str], wait: bool = False) -> None:
-    """The members that ended: their run's status (FINISHED, or FAILED with the error), notes, summary tags and the
-    trial's state (`mpsrun.sweep.state`, in the same batch: the worker then does not tag it again, worker._finish).
+    """The members that ended: their run's status (FINISHED, or FAILED with the error), notes, summary tags, the tags
+    their controls set (`mpsrun.stopped_early` and its reason, as a run's EarlyStopping sets them) and the trial's
+    state (`mpsrun.sweep.state`, in the same batch: the worker then does not tag it again, worker._finish).
 
     A member whose state is KILLED was stopped by a signal (its group interrupted): its run ends KILLED, as
     an interrupted `mpsrun run` does, tagged as a lost trial's is (state FAILED, not counted, why); the
@@ -112,7 +113,7 @@ def end(tracker: Any, members: list[Member], notes: list[str], wait: bool = Fals
         if not m.run_id:
             continue
         status = {"FAILED": "FAILED", "KILLED": "KILLED"}.get(m.state, "FINISHED")
-        tags = {"mpsrun.notes": " | ".join(notes) or "none", STATE_TAG: m.state}
+        tags = {**m.end_tags, "mpsrun.notes": " | ".join(notes) or "none", STATE_TAG: m.state}  # end_tags: early stopping's
         if m.state == "PRUNED":
             tags["mpsrun.sweep.pruned"] = m.message
         if m.state == "FAILED" and "non-finite" in m.message:

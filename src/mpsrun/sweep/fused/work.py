@@ -207,7 +207,6 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
         if lap is not None:
             lap.lap("open")
         rows: list[tuple] = []
-        ended: list[members.Member] = []
 
         def on_epoch(m: members.Member, e: int, metrics: dict[str, float]) -> tuple[str, str] | None:
             with stop.held():  # the pruner's report and question write the study (its journal's lock)
@@ -221,15 +220,13 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
                 return "FAILED", f"KeyError: sweep.metric '{sweep.metric}' is not among this run's metrics: {', '.join(sorted(metrics))}"
             m.value = float(value)
             if bad:
-                ended.append(m)
                 return "FAILED", bad
             if not math.isfinite(m.value):
                 return None
-            m.trial.report(m.value, e)
+            m.trial.report(m.value, e)  # after its early stopping (the engine's), as a trial's Report follows a run's callbacks
             if e + 1 < b.epochs and m.trial.should_prune():
-                ended.append(m)
                 return "PRUNED", f"pruned by Optuna's {sweep.pruner} pruner after epoch {e + 1} ({sweep.metric} {m.value:.6g})"
-            return None
+            return None  # a member that stopped early ends COMPLETE (engine.py), told its last epoch's value
 
         pace = record.Pace(record.EVERY_S)
 
@@ -243,12 +240,12 @@ def _group(job: Any, sweep: Any, items: list[tuple], tracker: Any, study: Any, m
 
         def listen(e: int, seconds: float) -> None:
             epoch_s.append(seconds)
+            ended = [m for m in mems if m.state != "RUNNING" and m.number not in told]  # this epoch's: pruned, failed, stopped early
             with stop.held():  # the epochs posted whole, and the members that ended told, before a signal stops the group
                 if ended or pace.due():
                     post_rows()
                 if ended:
                     _end(ended, tracker, notes, finish, starts, trial_mod, told)
-                    ended.clear()
 
         threads = torch_threads(b.device)
         try:
