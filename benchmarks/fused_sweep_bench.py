@@ -2,6 +2,9 @@
 
 cpu  (the 2-core target): a 16-trial digits sweep (lr, weight decay, momentum; 3 epochs) fused, and with
      `fuse: off`, against ONE `mpsrun run` of the recipe. Target: fused at most 1.5x the run's wall time.
+cpu --controls: the same sweep with what a real sweep has (a warm-up + cosine schedule stepped every step,
+     gradient clipping at 1.0): fused, `fuse: off`, and what a user writes instead (benchmarks/user_sweep.py: one
+     process, Optuna's 16 trials each a plain PyTorch loop, MLflow nested runs), alternated, medians.
 cuda (the H100 target):
   (a) 64 trials of the fashion recipe (recipes/fashion_mlp_mps.yaml's model, device cuda, 5 epochs; lr,
       weight decay, seed), fused, against one `mpsrun run` of one trial. Target: at most 3x.
@@ -13,6 +16,7 @@ Every sweep's trials are checked: a FAILED trial makes the row NOT A TIMING. Fas
 with mpsrun.testing.idx (no download). `--tiny` runs every part small (CPU-checkable).
 
     python benchmarks/fused_sweep_bench.py --device cpu
+    python benchmarks/fused_sweep_bench.py --device cpu --controls
     python benchmarks/fused_sweep_bench.py --device cuda --out $OUT
     python benchmarks/fused_sweep_bench.py --device cpu --tiny --gpu-parts   # the cuda parts, tiny, on the CPU
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -147,6 +152,58 @@ def cpu(base: Path, trials: int, repeats: int) -> list[tuple[str, float, str]]:
     return [(f"one `mpsrun run` (3 epochs), median of {repeats}; {load}", one, "1.00x"),
             (f"`mpsrun sweep`, {trials} trials, fused (auto), median of {repeats}", f, f"{f / one:.2f}x (target <= 1.5x; pairs {pairs}){checked(d)}"),
             (f"`mpsrun sweep`, {trials} trials, fuse: off, median of {repeats}", u, f"{u / one:.2f}x")]
+
+
+CONTROLS = """\
+scheduler:
+  name: CosineAnnealingLR
+  T_max: {t_max}
+  interval: step
+  warmup_epochs: 1
+grad_clip:
+  max_norm: 1.0
+"""
+
+
+def controls(base: Path, trials: int, repeats: int) -> list[tuple[str, float, str]]:
+    """The digits sweep with a per-step warm-up + cosine schedule and clipping: fused, fuse: off, and the user's own
+    Optuna + PyTorch + MLflow loop (user_sweep.py, the same schedule and clip), alternated; medians."""
+    steps, epochs = -(-1437 // 32), 3  # digits' training split at batch 32: optimizer steps per epoch
+    extra = CONTROLS.format(t_max=steps * (epochs - 1))
+    d, on = folder(base, "controls", DIGITS.format(trials=trials, fuse="auto") + extra)
+    off = d / "off.yaml"
+    off.write_text(DIGITS.format(trials=trials, fuse="off") + extra)
+    user = [sys.executable, str(Path(__file__).resolve().parent / "user_sweep.py"), "--trials", str(trials), "--epochs", str(epochs), "--controls"]
+    timed(["run", str(on), "-q"], d)  # warm-up: the store, the page cache
+    fused, unfused, users = [], [], []
+    loads = [os.getloadavg()[0]]
+    for i in range(repeats):
+        store = d / f"user{i}"
+        store.mkdir()
+        t0 = time.perf_counter()
+        p = subprocess.run([*user, "--store", str(store)], cwd=d, capture_output=True, text=True)
+        if p.returncode != 0:
+            sys.exit(f"user_sweep.py exited {p.returncode}:\n{p.stderr[-3000:]}")
+        users.append(time.perf_counter() - t0)
+        fused.append(timed(["sweep", str(on), "--study", f"on{i}", "-q"], d))
+        unfused.append(timed(["sweep", str(off), "--study", f"off{i}", "-q"], d))
+        loads.append(os.getloadavg()[0])
+    f, u, w = statistics.median(fused), statistics.median(unfused), statistics.median(users)
+    notes = _notes(d)
+    load = f"load average (1 min) {min(loads):.2f}-{max(loads):.2f}"
+    return [(f"controls: the user's own loop (user_sweep.py: Optuna, {trials} plain PyTorch trials, MLflow nested runs), median of {repeats}; {load}", w, "1.00x"),
+            (f"controls: `mpsrun sweep`, {trials} trials, fused (auto), median of {repeats}{notes}", f, f"{f / w:.2f}x (pairs {', '.join(f'{a / b:.2f}x' for a, b in zip(fused, users))}){checked(d)}"),
+            (f"controls: `mpsrun sweep`, {trials} trials, fuse: off, median of {repeats}", u, f"{u / w:.2f}x")]
+
+
+def _notes(d: Path) -> str:
+    """What the last fused sweep's parent says of its fusion: a trial that ran unfused makes the row say so."""
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=f"sqlite:///{d / 'mlruns' / 'mlflow.db'}")
+    notes = [r.data.tags.get("mpsrun.notes", "") for e in c.search_experiments() for r in c.search_runs([e.experiment_id])
+             if r.data.tags.get("mpsrun.sweep") == "parent"]
+    return " (SOME TRIALS RAN UNFUSED)" if any("ran unfused" in n for n in notes) else ""
 
 
 def gpu(base: Path, device: str, tiny: bool, cnn_epochs: int = 5, cnn_train: int = 50000,
@@ -306,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--trials", type=int, default=16, help="cpu: trials of the digits sweep")
     ap.add_argument("--repeats", type=int, default=3, help="cpu: interleaved (run, fused sweep, unfused sweep) triples; medians")
+    ap.add_argument("--controls", action="store_true", help="cpu: the sweep with a schedule and clipping, against the user's own loop")
     ap.add_argument("--tiny", action="store_true", help="every part small: checks the script (the GPU parts too, with --gpu-parts) on a CPU")
     ap.add_argument("--gpu-parts", action="store_true", help="with --device cpu: run the cuda parts (a, b, c) on the CPU")
     ap.add_argument("--sizes", default="1,4,16,64,256", help="the curve's group sizes (empty: no fashion curve)")
@@ -327,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         rows: list[tuple[str, float, str]] = []
         lines: list[str] = []
         if a.device == "cpu" and not a.gpu_parts:
-            rows = cpu(base, 4 if a.tiny else a.trials, 1 if a.tiny else a.repeats)
+            rows = (controls if a.controls else cpu)(base, 4 if a.tiny else a.trials, 1 if a.tiny else a.repeats)
         else:
             sizes = [int(s) for s in a.sizes.split(",") if s] if not a.tiny else [1, 4]
             if not a.no_sweeps:
