@@ -151,8 +151,8 @@ def test_a_capture_that_fails_falls_back_to_eager_and_says_so_simulated(tmp_path
 
     real = engine.Group._train_step
 
-    def syncing(self: Any, x: torch.Tensor, y: torch.Tensor) -> None:
-        real(self, x, y)
+    def syncing(self: Any, x: torch.Tensor, y: torch.Tensor, *micro: Any) -> None:  # micro: accumulate's weight, first, last
+        real(self, x, y, *micro)
         float(self.loss_sum.sum())  # a host read: illegal while capturing
 
     monkeypatch.setattr(engine.Group, "_train_step", syncing)

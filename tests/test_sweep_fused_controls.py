@@ -230,3 +230,39 @@ def test_a_sweep_with_early_stopping_fuses_and_a_member_that_stops_is_tagged_as_
         last = work.history(alone.info.run_id, "val_loss")[-1][1]
         assert told[kid.info.run_id]["state"] == "COMPLETE" and float(told[kid.info.run_id]["val_loss"]) == last  # its last epoch's value
     assert stopped >= 1
+
+
+DEVICE = "cuda"
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device: the fused CUDA group (graphs chosen, then eager) against solo CUDA runs")
+def test_accumulating_stopping_members_on_cuda_follow_their_solo_cuda_runs(tmp_path: Path) -> None:
+    """On CUDA: the group `graphed.group_for` picks for accumulate + a per-step schedule + the clip + early stopping is
+    eager (said), and each member's epochs, stop and per-epoch losses follow its own solo CUDA run (float32 sums in
+    other orders: within 1e-3, as the plain CUDA members' test)."""
+    from mpsrun.plugins import resolve
+    from mpsrun.recipe.sweep import trial_recipe
+    from mpsrun.sweep.fused import graphed, members
+
+    text = ACCUMULATED.format(device=DEVICE, optimizer="sgd").replace("epochs: 3", "epochs: 5") + "early_stopping:\n  patience: 1\n  min_delta: 0.1\n"
+    path = tmp_path / "cuda.yaml"
+    path.write_text(text)
+    base = resolve(path)
+    variants = [{"optimizer.lr": 0.2, "optimizer.momentum": 0.9}, {"optimizer.lr": 0.1, "grad_clip.max_norm": 5.0, "seed": 3, "early_stopping.patience": 5}]
+    recs = [trial_recipe(base, {**v, **PLACE}) for v in variants]
+    mems = [members.Member(_Trial(i), v, r, {}) for i, (v, r) in enumerate(zip(variants, recs))]
+    said: list[str] = []
+    g, note = graphed.group_for(members.build(mems, {}), said.append)
+    assert not isinstance(g, graphed.GraphedGroup) and note == said[0] == graphed.PER_STEP, (type(g), note, said)
+    g.run(lambda m, e, metrics: None)
+    lengths = []
+    for m, r in zip(mems, recs):
+        res, tags = _solo(r)
+        lengths.append(len(res.epochs))
+        assert len(m.history) == len(res.epochs) and m.end_tags == tags, (m.values, len(m.history), len(res.epochs), m.end_tags, tags)
+        for e, em in enumerate(res.epochs):
+            for k in ("train_loss", "val_loss"):
+                a, b = em.metrics()[k], m.history[e][k]
+                assert abs(a - b) <= 1e-3 * abs(a), (m.values, e, k, a, b)
+            assert em.metrics()["lr"] == pytest.approx(m.history[e]["lr"], rel=1e-6)
+    assert lengths[0] < 5 and lengths[1] == 5, lengths  # one stopped early, one trained every epoch
