@@ -98,16 +98,21 @@ def run_plan(p, quiet: bool, early=None, handed: Optional[list] = None) -> None:
     except Exception as e:  # noqa: BLE001 - a database that does not answer, a journal we cannot write
         raise bad_input(f"cannot open the Optuna storage {storage.shown(p.storage_url)}: {type(e).__name__}: {e}") from None
     trace.mark("study_opened")
+    from mpsrun.sweep.fused.stop import held
+
     via = parent.Via(handed[0]) if handed else None  # the parent's MLflow calls in worker 0's helper: no mlflow import here
-    opened = parent.open_parent(p.resolved, study, p.storage_url, p.target, p.tracking_uri, via)
-    trace.mark("parent_opened")
-    parent_id = opened.run_id
+    opened = None
     began: list[bool] = []
     try:
+        # A signal while the parent run is being created waits until its id is known (a second one does not): else a
+        # SIGTERM between its creation and this command knowing it left it RUNNING with no owner (seen on 2 cores).
+        with held():
+            opened = parent.open_parent(p.resolved, study, p.storage_url, p.target, p.tracking_uri, via)
+        trace.mark("parent_opened")
         _run_opened(p, quiet, early, handed, study, opened, began, via)
     except KeyboardInterrupt:  # a signal before the workers began (drive.run handles those after): the parent is not left RUNNING
-        if opened.generation is not None and not began:
-            parent.close(p.tracking_uri, parent_id, "KILLED", opened.generation, via)
+        if opened is not None and opened.generation is not None and not began:
+            parent.close(p.tracking_uri, opened.run_id, "KILLED", opened.generation, via)
         raise
 
 
