@@ -24,7 +24,7 @@ seed: {seed}
 dataset: {{name: digits}}
 model: {{name: mlp, hidden: [16]}}
 optimizer: {{name: sgd, lr: 0.05}}
-tracking: {{experiment: crowd, log_model: false}}
+tracking: {{experiment: crowd, log_model: false, figures: false}}
 """
 
 

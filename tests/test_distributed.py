@@ -32,6 +32,9 @@ model: {{name: {model}}}
 optimizer: {{name: sgd, lr: 0.05}}
 tracking: {{experiment: ddp}}
 """
+# The same without the logged model and figures, for tests that check epochs and ranks only (the model's export is
+# seconds of a 2-core machine a run; test_nproc_2_is_one_run_on_the_single_process_trajectory checks them for a job).
+LIGHT = RECIPE.replace("tracking: {{experiment: ddp}}", "tracking: {{experiment: ddp, log_model: false, figures: false}}")
 
 ENV = {"OMP_NUM_THREADS": "1", "MPSRUN_DIST_TIMEOUT_S": "60", "PYTHONWARNINGS": "ignore"}
 
@@ -163,7 +166,7 @@ def test_nproc_2_is_one_run_on_the_single_process_trajectory(work) -> None:  # t
 
 def test_accumulate_under_nproc_2_follows_the_single_process_run(work) -> None:  # type: ignore[no-untyped-def]
     """accumulate: 3 (groups of 3 global batches of 32; the epoch's last group ends on the shared tail of 29)."""
-    r = work.write("r.yaml", RECIPE.format(epochs=2, model="mlp") + "accumulate: 3\n")
+    r = work.write("r.yaml", LIGHT.format(epochs=2, model="mlp") + "accumulate: 3\n")
     one = work.cli("run", str(r), "-q")
     assert one.exit_code == 0, one.output
     p = _sub([_bin("mpsrun"), "run", str(r), "-q", "--nproc", "2"], work.path)
@@ -179,7 +182,7 @@ def test_accumulate_under_nproc_2_follows_the_single_process_run(work) -> None: 
 
 @pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="torchrun not installed beside python")
 def test_torchrun_gives_one_run(work) -> None:  # type: ignore[no-untyped-def]
-    r = work.write("r.yaml", RECIPE.format(epochs=1, model="mlp"))
+    r = work.write("r.yaml", LIGHT.format(epochs=1, model="mlp"))
     p = _sub([_bin("torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "mpsrun", "run", str(r), "-q"], work.path)
     assert p.returncode == 0, p.stdout + p.stderr
     runs = work.runs("ddp")
@@ -215,7 +218,7 @@ def boom(num_classes: int) -> nn.Module:
 
 def test_a_dying_rank_takes_the_job_down_and_is_named(work, fake_dist) -> None:  # type: ignore[no-untyped-def]
     site = fake_dist("boom-plugin", BOOM, models={"boom": "boom"})
-    r = work.write("r.yaml", RECIPE.format(epochs=3, model="boom"))
+    r = work.write("r.yaml", LIGHT.format(epochs=3, model="boom"))
     t0 = time.monotonic()
     p = _sub([_bin("mpsrun"), "run", str(r), "-q", "--nproc", "2"], work.path, {"PYTHONPATH": str(site)}, timeout=180)
     took = time.monotonic() - t0
@@ -307,7 +310,7 @@ def test_a_stopped_2_rank_job_resumes_on_2_ranks_on_the_same_trajectory(work, tm
 
     site = fake_dist("heldplug", HELD_PLUGIN, models={"held_mlp": "held_mlp"})  # in this process and, through PYTHONPATH, in the ranks
     hold = tmp_path / "hold"  # while it exists, every training step sleeps 0.2 s: the test sets the pace
-    recipe = RECIPE.format(epochs=3, model="held_mlp").replace("batch_size: 32", "batch_size: 64")  # 23 steps; a tail of 29 (15/14)
+    recipe = LIGHT.format(epochs=3, model="held_mlp").replace("batch_size: 32", "batch_size: 64")  # 23 steps; a tail of 29 (15/14)
     r = work.write("r.yaml", recipe.replace("{name: held_mlp}", f"{{name: held_mlp, hold: '{hold}'}}"))
     extra = {"PYTHONPATH": str(site)}
     ref = work.cli("run", str(r), "-q")  # uninterrupted (no hold file)

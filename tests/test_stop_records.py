@@ -27,7 +27,7 @@ seed: 1
 dataset: {name: digits}
 model: {name: mlp, hidden: [1024, 1024]}
 optimizer: {name: adam, lr: 0.001}
-tracking: {experiment: shown, log_model: false}
+tracking: {experiment: shown, log_model: false, figures: false}
 """
 
 LINE = re.compile(r"^epoch (\d+)/4\b")
