@@ -30,22 +30,6 @@ from mpsrun.train.controls.callbacks import Callback
 IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")  # how a solo optimizer steps, not what its group holds
 
 
-def schedule_why_not(section: Any) -> str | None:
-    """What in a `scheduler:` section the fused step cannot follow; None when it can."""
-    if section is None:
-        return None
-    if section.name in ("OneCycleLR", "CyclicLR") and section.kwargs.get("cycle_momentum", True):
-        return f"scheduler {section.name} with cycle_momentum (it changes the momentum, which the fused update keeps fixed)"
-    return None
-
-
-def clip_why_not(section: Any) -> str | None:
-    """What in a `grad_clip:` section the fused step cannot do; None when it can."""
-    if section is not None and section.norm_type != 2.0:
-        return f"grad_clip.norm_type {section.norm_type:g} (the fused step clips by the 2-norm)"
-    return None
-
-
 class Schedules:
     """The active members' schedulers (None for a member without one), in the group's member order."""
 

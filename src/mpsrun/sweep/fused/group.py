@@ -24,12 +24,26 @@ FREE = ("seed", "optimizer.lr", "optimizer.weight_decay", "optimizer.momentum", 
 FREE_BUT = {"scheduler": ("name", "interval")}
 
 
+def schedule_why_not(section: Any) -> str | None:
+    """What in a `scheduler:` section the fused step cannot follow; None when it can."""
+    if section is None:
+        return None
+    if section.name in ("OneCycleLR", "CyclicLR") and section.kwargs.get("cycle_momentum", True):
+        return f"scheduler {section.name} with cycle_momentum (it changes the momentum, which the fused update keeps fixed)"
+    return None
+
+
+def clip_why_not(section: Any) -> str | None:
+    """What in a `grad_clip:` section the fused step cannot do; None when it can."""
+    if section is not None and section.norm_type != 2.0:
+        return f"grad_clip.norm_type {section.norm_type:g} (the fused step clips by the 2-norm)"
+    return None
+
+
 def recipe_why_not(resolved: Resolved) -> str | None:
     """What in this trial's recipe the fused step does not do; None when nothing."""
-    from mpsrun.sweep.fused import controls
-
     r = resolved.recipe
-    sched, clip = controls.schedule_why_not(r.scheduler), controls.clip_why_not(r.grad_clip)
+    sched, clip = schedule_why_not(r.scheduler), clip_why_not(r.grad_clip)
     checks: list[tuple[bool, str]] = [
         (sched is not None, sched or ""),
         (bool(r.callbacks), "callbacks"),
